@@ -1,0 +1,82 @@
+"""ADTopk: top-k along axis 1, so every fibre (no dimension) is left out.
+
+For a Linear weight ``[out, in]`` each output row keeps its own
+``k_f = max(1, floor(in * ratio))`` largest |g|; for a Conv ``[out, in, kh, kw]``
+each (out, kh, kw) fibre over the input channels does. Positions along axis 1
+are small, so they travel as uint8/uint16 and the row positions are implicit.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressor, flat_of, global_k
+from .payload import Payload, index_dtype
+from .select import fibre_topk, global_topk
+
+LAYOUTS = ("axis", "rows")
+
+
+def fibre_k(length: int, ratio: float) -> int:
+    return max(1, math.floor(length * ratio))
+
+
+class ADTopk(Compressor):
+    name = "adtopk"
+
+    def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None):
+        super().__init__(ratio, value_dtype)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        self.layout = layout
+
+    def view_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape whose axis 1 the fibres run along."""
+        if self.layout == "rows":
+            return (shape[0], math.prod(shape[1:]))
+        return tuple(shape)
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        if tensor.dim() < 2:
+            raise ValueError(
+                f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
+                "the sparsification policy sends such tensors dense")
+        view = self.view_of(tuple(tensor.shape))
+        x = tensor.detach().reshape(view)
+        k = fibre_k(view[1], self._ratio(ratio))
+        positions = fibre_topk(x, k)
+        return Payload("fibre", tuple(tensor.shape), tensor.dtype,
+                       self._values(x.gather(1, positions)),
+                       positions.to(index_dtype(view[1])), view=view)
+
+
+class ADTopkInterleaved(ADTopk):
+    """ADTopk-I: per layer, even calls use ADTopk and odd calls global top-k.
+
+    The counter is the layer's own, so layers that skip a step (or are
+    compressed more than once per step) still alternate.
+    """
+
+    name = "adtopk-i"
+
+    def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None):
+        super().__init__(ratio, layout, value_dtype)
+        self.calls: dict[str, int] = {}
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        turn = self.calls.get(name, 0)
+        self.calls[name] = turn + 1
+        if turn % 2 == 0:
+            return super().compress(tensor, name, step, ratio)
+        flat = flat_of(tensor)
+        k = global_k(flat.numel(), self._ratio(ratio))
+        return self._coo(tensor, flat, global_topk(flat, k))
+
+    def state_dict(self) -> dict:
+        return {"calls": dict(self.calls)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = {str(k): int(v) for k, v in state.get("calls", {}).items()}

@@ -1,0 +1,86 @@
+"""What every compressor shares: parameters, value casting, payload assembly."""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from .payload import Payload, index_dtype
+
+VALUE_DTYPES: dict[str | None, torch.dtype | None] = {
+    None: None,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def check_ratio(ratio: object, what: str = "ratio") -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"{what} must be a number in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+class Compressor(ABC):
+    """Turns one tensor into a :class:`Payload` and back.
+
+    ``name`` identifies the tensor (per-layer state is keyed by it) and
+    ``step`` the training step (for schedules and shared seeds). ``ratio``
+    overrides the configured density for one call, which is how the
+    partial-sparsification policy raises density per layer.
+    """
+
+    name: str = ""
+    sparse: bool = True
+
+    def __init__(self, ratio: float = 0.01, value_dtype: str | None = None):
+        self.ratio = check_ratio(ratio)
+        if value_dtype not in VALUE_DTYPES:
+            valid = [v for v in VALUE_DTYPES if v is not None]
+            raise ValueError(f"value_dtype must be one of {valid} or None, got {value_dtype!r}")
+        self.value_dtype = VALUE_DTYPES[value_dtype]
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        ...
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return payload.decompress()
+
+    def state_dict(self) -> dict:
+        """Per-layer state worth a checkpoint; stateless compressors have none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
+
+    def _ratio(self, ratio: float | None) -> float:
+        return self.ratio if ratio is None else check_ratio(ratio)
+
+    def _values(self, values: torch.Tensor) -> torch.Tensor:
+        if self.value_dtype is None or values.dtype == self.value_dtype:
+            return values
+        if self.value_dtype == torch.float16:  # keep magnitudes finite; error feedback keeps the rest
+            limit = torch.finfo(torch.float16).max
+            values = values.clamp(-limit, limit)
+        return values.to(self.value_dtype)
+
+    def _coo(self, tensor: torch.Tensor, flat: torch.Tensor, positions: torch.Tensor) -> Payload:
+        return Payload("coo", tuple(tensor.shape), tensor.dtype, self._values(flat[positions]),
+                       positions.to(index_dtype(flat.numel())))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ratio={self.ratio})"
+
+
+def global_k(numel: int, ratio: float) -> int:
+    """Element budget of a global selection."""
+    return min(numel, max(1, math.floor(numel * ratio)))
+
+
+def flat_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1)

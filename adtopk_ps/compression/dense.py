@@ -1,0 +1,20 @@
+"""No compression: the baseline every sparsifier is measured against."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+from .payload import Payload
+
+
+class Dense(Compressor):
+    name = "none"
+    sparse = False
+
+    def __init__(self, value_dtype: str | None = None):
+        super().__init__(1.0, value_dtype)
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        values = self._values(tensor.detach().reshape(-1))
+        return Payload("dense", tuple(tensor.shape), tensor.dtype, values)

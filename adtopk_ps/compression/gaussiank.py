@@ -1,0 +1,38 @@
+"""Gaussian-k: the threshold comes from a normal fit of the gradient, then is rescaled."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Compressor, flat_of, global_k
+from .payload import Payload
+from .select import above, trim
+
+_RESCALE_ROUNDS = 3
+
+
+class GaussianK(Compressor):
+    name = "gaussiank"
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        flat = flat_of(tensor)
+        ratio = self._ratio(ratio)
+        k = global_k(flat.numel(), ratio)
+        stats = flat.float()
+        mean = float(stats.mean())
+        std = float(stats.std()) if flat.numel() > 1 else 0.0
+        # two-sided tail of N(mean, std) that holds a `ratio` share of the mass
+        z = math.sqrt(2.0) * float(torch.special.erfinv(torch.tensor(1.0 - ratio)))
+        threshold = abs(mean) + z * std
+        positions = above(flat, threshold)
+        for _ in range(_RESCALE_ROUNDS):
+            if positions.numel() > 4 * k / 3:
+                threshold *= 1.3
+            elif positions.numel() < 2 * k / 3:
+                threshold *= 0.7
+            else:
+                break
+            positions = above(flat, threshold)
+        return self._coo(tensor, flat, trim(flat, positions, k))

@@ -1,0 +1,73 @@
+"""Error feedback, kept apart from the compressors it wraps (GRACE's "memory").
+
+``c = g + r``; send ``compress(c)``; ``r = c - decompress(compress(c))``.
+Subtracting the sent values in place keeps ``decompress(p) + r == c``
+exact: selected entries are either equal to ``c`` or (for fp16 values) within
+a factor of two of it, and such differences are exact in floating point.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor
+from .payload import Payload
+
+EF_KINDS = ("vanilla",)
+
+
+class ResidualMemory:
+    """Residuals keyed by tensor name; saved with checkpoints."""
+
+    def __init__(self) -> None:
+        self.residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals.get(name)
+        if residual is None:
+            return grad.detach().clone()
+        if residual.shape != grad.shape:
+            raise ValueError(f"residual for {name!r} has shape {tuple(residual.shape)}, "
+                             f"gradient has {tuple(grad.shape)}")
+        return grad.detach() + residual.to(grad.device, grad.dtype)
+
+    def update(self, name: str, compensated: torch.Tensor, payload: Payload) -> torch.Tensor:
+        residual = compensated.clone()
+        payload.accumulate_into(residual, alpha=-1.0)
+        self.residuals[name] = residual
+        return residual
+
+    def state_dict(self) -> dict:
+        return {name: r.detach().cpu().clone() for name, r in self.residuals.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = {name: torch.as_tensor(r).clone() for name, r in state.items()}
+
+
+class ErrorFeedback(Compressor):
+    """A compressor whose dropped mass is carried to the next call of the same tensor."""
+
+    def __init__(self, inner: Compressor, memory: ResidualMemory | None = None):
+        self.inner = inner
+        self.memory = memory if memory is not None else ResidualMemory()
+        self.name, self.sparse = inner.name, inner.sparse
+        self.ratio, self.value_dtype = inner.ratio, inner.value_dtype
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        compensated = self.memory.compensate(name, tensor)
+        payload = self.inner.compress(compensated, name, step, ratio)
+        self.memory.update(name, compensated, payload)
+        return payload
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return self.inner.decompress(payload)
+
+    def state_dict(self) -> dict:
+        return {"compressor": self.inner.state_dict(), "residuals": self.memory.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state.get("compressor", {}))
+        self.memory.load_state_dict(state.get("residuals", {}))
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.inner!r})"

@@ -1,0 +1,26 @@
+"""Random-k: positions from a seed every process shares, so only values travel."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, flat_of, global_k
+from .payload import Payload, seed_for, seeded_indices
+
+
+class RandomK(Compressor):
+    name = "randomk"
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, value_dtype: str | None = None):
+        super().__init__(ratio, value_dtype)
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.seed = seed
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        flat = flat_of(tensor)
+        k = global_k(flat.numel(), self._ratio(ratio))
+        seed = seed_for(name, step, self.seed)
+        positions = seeded_indices(seed, flat.numel(), k, flat.device)
+        return Payload("seeded", tuple(tensor.shape), tensor.dtype,
+                       self._values(flat[positions]), seed=seed)

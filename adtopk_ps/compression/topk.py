@@ -1,0 +1,18 @@
+"""Exact global top-k: the traditional sparsifier ADTopk is compared with."""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, flat_of, global_k
+from .payload import Payload
+from .select import global_topk
+
+
+class TopK(Compressor):
+    name = "topk"
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
+                 ratio: float | None = None) -> Payload:
+        flat = flat_of(tensor)
+        k = global_k(flat.numel(), self._ratio(ratio))
+        return self._coo(tensor, flat, global_topk(flat, k))

@@ -1,0 +1,1 @@
+"""The worker role and the training job that bpslaunch starts (arrives with the runtime)."""
