@@ -167,10 +167,7 @@ class Payload:
             indices = _from_buffer(buffers[1], spec["idtype"], spec["count"], "indices")
         view = spec.get("view")
         if spec["codec"] == "fibre":
-            k = spec["k"]
-            vshape = (view[0], k, *view[2:])
-            if math.prod(vshape) != spec["count"]:
-                raise PayloadError(f"count {spec['count']} does not match view {view} with k={k}")
+            vshape = (view[0], spec["k"], *view[2:])
             values, indices = values.view(vshape), indices.view(vshape)
         payload = cls(spec["codec"], tuple(spec["shape"]), spec["dtype"], values, indices,
                       tuple(view) if view is not None else None, spec.get("seed"))
@@ -181,12 +178,12 @@ class Payload:
         if self.indices is None or self.indices.numel() == 0:
             return
         bound = self.view[1] if self.codec == "fibre" else self.numel
-        top = int(self.indices.max())
-        low = int(self.indices.min())
+        idx = self.indices
+        if idx.element_size() < 4:  # torch has no min/max for uint16
+            idx = idx.int()
+        low, top = (int(v) for v in torch.aminmax(idx))
         if low < 0 or top >= bound:
             raise PayloadError(f"index out of range: [{low}, {top}] not within [0, {bound})")
-        if self.codec == "coo" and torch.unique(self.indices).numel() != self.indices.numel():
-            raise PayloadError("coo payload repeats an index")
 
     def positions(self) -> torch.Tensor:
         """Flat or axis-1 positions as int64, ready for scatter."""
@@ -282,8 +279,11 @@ def _check_meta(meta: object, max_numel: int) -> dict:
         view = spec["view"] = _check_dims(spec["view"], "view")
         if len(view) < 2 or math.prod(view) != numel:
             raise PayloadError(f"view {view} is not a >=2-D view of shape {spec['shape']}")
-        if not 1 <= spec["k"] <= view[1]:
-            raise PayloadError(f"k {spec['k']} outside [1, {view[1]}]")
+        k = spec["k"]
+        if not 1 <= k <= view[1]:
+            raise PayloadError(f"k {k} outside [1, {view[1]}]")
+        if math.prod((view[0], k, *view[2:])) != count:
+            raise PayloadError(f"count {count} does not match view {view} with k={k}")
     if codec == "seeded" and spec["seed"] < 0:
         raise PayloadError(f"seed {spec['seed']} is negative")
     return spec

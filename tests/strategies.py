@@ -1,0 +1,27 @@
+"""Hypothesis strategies for gradients of many shapes and dtypes."""
+import torch
+from hypothesis import strategies as st
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+small_dim = st.integers(1, 9)
+axis_dim = st.one_of(st.integers(1, 3), st.integers(4, 300), st.sampled_from([255, 256, 257, 4096]))
+
+shapes_2d = st.tuples(st.integers(1, 40), axis_dim)
+shapes_4d = st.tuples(st.integers(1, 6), axis_dim, small_dim, st.integers(1, 3))
+# axis 1 longer than uint16 can index: indices must widen to int32
+wide_shapes = st.sampled_from([(2, 70000), (1, 65537, 1, 2)])
+shapes = st.one_of(shapes_2d, shapes_4d, wide_shapes)
+ratios = st.one_of(st.sampled_from([0.001, 0.01, 0.1, 0.5, 1.0]), st.floats(0.001, 1.0))
+
+
+@st.composite
+def gradients(draw, shape_strategy=shapes, dtypes=DTYPES):
+    shape = draw(shape_strategy)
+    dtype = draw(st.sampled_from(dtypes))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 100.0]))
+    if draw(st.booleans()):  # exact ties and zeros are legal gradients too
+        x = x.round()
+    return x.to(dtype)

@@ -1,0 +1,91 @@
+"""Selection properties of ADTopk and global top-k over random shapes and dtypes."""
+import torch
+from hypothesis import given, strategies as st
+
+from adtopk_ps.compression import ADTopk, TopK, fibre_k, index_dtype
+from adtopk_ps.compression.base import global_k
+
+from strategies import gradients, ratios
+
+
+def _selected_mask(view, positions):
+    mask = torch.zeros(view, dtype=torch.bool)
+    return mask.scatter_(1, positions, True)
+
+
+@given(gradients(), ratios, st.sampled_from(["axis", "rows"]))
+def test_every_fibre_keeps_exactly_its_largest(x, ratio, layout):
+    comp = ADTopk(ratio, layout=layout)
+    p = comp.compress(x, "w")
+    view = comp.view_of(tuple(x.shape))
+    k = fibre_k(view[1], ratio)
+    assert p.codec == "fibre" and p.view == view
+    assert p.indices.dtype == index_dtype(view[1])
+    assert p.values.shape == (view[0], k, *view[2:])
+    positions = p.indices.long()
+    # k distinct positions in every fibre
+    ordered = positions.sort(dim=1).values
+    assert bool((ordered.diff(dim=1) > 0).all())
+    mags = x.reshape(view).float().abs()
+    mask = _selected_mask(view, positions)
+    assert int(mask.sum(dim=1).min()) == k == int(mask.sum(dim=1).max())
+    low_kept = mags.masked_fill(~mask, float("inf")).amin(dim=1)
+    high_dropped = mags.masked_fill(mask, -1.0).amax(dim=1)
+    assert bool((low_kept >= high_dropped).all())
+    assert torch.equal(p.values, x.reshape(view).gather(1, positions))
+
+
+@given(gradients(), ratios)
+def test_global_topk_keeps_the_k_largest(x, ratio):
+    p = TopK(ratio).compress(x, "w")
+    flat = x.reshape(-1).float().abs()
+    k = global_k(flat.numel(), ratio)
+    positions = p.indices.long()
+    assert positions.numel() == k == positions.unique().numel()
+    mask = torch.zeros(flat.numel(), dtype=torch.bool)
+    mask[positions] = True
+    dropped = flat[~mask]
+    if dropped.numel():
+        assert float(flat[mask].min()) >= float(dropped.max())
+
+
+def test_fibre_k_never_drops_a_fibre():
+    assert fibre_k(3, 0.01) == 1
+    assert fibre_k(4096, 0.01) == 40
+    assert fibre_k(100, 1.0) == 100
+
+
+def test_dim_below_two_is_refused():
+    try:
+        ADTopk(0.01).compress(torch.randn(10), "bias")
+    except ValueError as e:
+        assert "dim() >= 2" in str(e) and "bias" in str(e)
+    else:
+        raise AssertionError("1-D tensor accepted")
+
+
+def test_non_contiguous_input_matches_contiguous(device):
+    x = torch.randn(64, 512, device=device).t()  # [512, 64], non-contiguous
+    assert not x.is_contiguous()
+    a = ADTopk(0.05).compress(x, "w")
+    b = ADTopk(0.05).compress(x.contiguous(), "w")
+    assert torch.equal(a.decompress(), b.decompress())
+    assert a.values.device == x.device
+
+
+def test_two_stage_search_on_long_fibres_matches_a_full_sort():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 20000, 3, generator=gen)
+    p = ADTopk(0.01).compress(x, "w")
+    ref = x.abs().topk(200, dim=1).values.sort(dim=1).values
+    assert torch.equal(p.values.abs().sort(dim=1).values, ref)
+
+
+def test_axis_longer_than_uint16_widens_indices():
+    for shape in [(2, 70000), (1, 65537, 1, 2)]:
+        x = torch.randn(shape)
+        p = ADTopk(0.001).compress(x, "w")
+        assert p.indices.dtype == torch.int32
+        assert int(p.indices.max()) > 0 and p.values.shape[1] == fibre_k(shape[1], 0.001)
+    assert ADTopk(0.5).compress(torch.randn(3, 65536), "w").indices.dtype == torch.uint16
+    assert ADTopk(0.5).compress(torch.randn(3, 256), "w").indices.dtype == torch.uint8

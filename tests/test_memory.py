@@ -1,0 +1,44 @@
+"""Error-feedback state: residuals carry over and survive a checkpoint."""
+import io
+
+import torch
+
+from adtopk_ps.compression import create
+
+
+def test_residual_carries_the_dropped_mass():
+    ef = create("topk", ratio=0.1, ef="vanilla")
+    g = torch.arange(1.0, 11.0)
+    p = ef.compress(g, "w")
+    assert p.values.tolist() == [10.0]
+    r = ef.memory.residuals["w"]
+    assert r[-1] == 0 and torch.equal(r[:-1], g[:-1])
+    p2 = ef.compress(torch.zeros(10), "w")  # what was held back is sent next
+    assert p2.values.tolist() == [9.0]
+
+
+def test_state_round_trips_through_torch_save():
+    ef = create({"compressor": "threshold", "k": 0.05, "ef": "vanilla"})
+    grads = [torch.randn(40, 40) for _ in range(6)]
+    for i, g in enumerate(grads[:3]):
+        ef.compress(g, "w", i)
+    buf = io.BytesIO()
+    torch.save(ef.state_dict(), buf)
+    buf.seek(0)
+    restored = create({"compressor": "threshold", "k": 0.05, "ef": "vanilla"})
+    restored.load_state_dict(torch.load(buf))
+    for i, g in enumerate(grads[3:], 3):
+        a, b = ef.compress(g, "w", i), restored.compress(g, "w", i)
+        assert torch.equal(a.decompress(), b.decompress())
+    assert torch.equal(ef.memory.residuals["w"], restored.memory.residuals["w"])
+
+
+def test_residual_shape_mismatch_is_reported():
+    ef = create("adtopk", ef="vanilla")
+    ef.compress(torch.randn(8, 8), "w")
+    try:
+        ef.compress(torch.randn(8, 9), "w")
+    except ValueError as e:
+        assert "'w'" in str(e) and "(8, 8)" in str(e)
+    else:
+        raise AssertionError("mismatched residual accepted")

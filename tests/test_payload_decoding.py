@@ -1,0 +1,91 @@
+"""The payload decoder checks everything before it touches memory."""
+import msgpack
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from adtopk_ps.compression import Payload, PayloadError, create
+
+
+def _frames(name="adtopk", shape=(6, 40), **params):
+    p = create(name, **params).compress(torch.randn(shape), "w", 1)
+    return p, [bytes(f) for f in p.frames()]
+
+
+def _with_meta(frames, **changes):
+    meta = msgpack.unpackb(frames[0])
+    meta.update(changes)
+    return [msgpack.packb({k: v for k, v in meta.items() if v is not None}), *frames[1:]]
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"codec": "zstd"}, "unknown codec 'zstd'"),
+    ({"dtype": "int8"}, "dtype 'int8' not allowed"),
+    ({"vdtype": "complex64"}, "vdtype 'complex64' not allowed"),
+    ({"idtype": "float32"}, "idtype 'float32' not allowed"),
+    ({"shape": [6, -40]}, "non-negative integers"),
+    ({"shape": [6, 41]}, "view [6, 40] is not"),
+    ({"shape": [2**20, 2**20]}, "exceeds the limit"),
+    ({"count": 7}, "count 7 does not match view"),
+    ({"count": -1}, "count -1 outside"),
+    ({"k": 0}, "k 0 outside"),
+    ({"view": None}, "needs metadata field 'view'"),
+    ({"extra": 1}, "unknown metadata field(s) ['extra']"),
+    ({"count": "6"}, "'count' must be int"),
+])
+def test_bad_metadata_is_named(changes, words):
+    _, frames = _frames()
+    with pytest.raises(PayloadError) as err:
+        Payload.from_frames(_with_meta(frames, **changes))
+    assert words in str(err.value)
+
+
+def test_out_of_range_index_is_refused():
+    _, frames = _frames(shape=(6, 40), ratio=0.1)
+    bad = bytearray(frames[2])
+    bad[3] = 40  # positions along an axis of length 40 run 0..39
+    with pytest.raises(PayloadError, match=r"index out of range: \[\d+, 40\] not within \[0, 40\)"):
+        Payload.from_frames([frames[0], frames[1], bytes(bad)])
+
+
+def test_truncated_and_missing_frames_are_refused():
+    _, frames = _frames()
+    with pytest.raises(PayloadError, match="values frame has"):
+        Payload.from_frames([frames[0], frames[1][:-1], frames[2]])
+    with pytest.raises(PayloadError, match="needs 2 buffer"):
+        Payload.from_frames(frames[:2])
+    with pytest.raises(PayloadError, match="not msgpack"):
+        Payload.from_frames([b"\xc1", *frames[1:]])
+    with pytest.raises(PayloadError, match="must be a map"):
+        Payload.from_frames([msgpack.packb([1, 2]), *frames[1:]])
+
+
+@given(st.sampled_from(["none", "topk", "adtopk", "randomk"]), st.data())
+def test_mutated_frames_decode_correctly_or_raise_payload_error(name, data):
+    p, frames = _frames(name, shape=(5, 30), ratio=0.1) if name != "none" else _frames(name, (5, 30))
+    which = data.draw(st.integers(0, len(frames) - 1))
+    raw = bytearray(frames[which])
+    for _ in range(data.draw(st.integers(1, 4))):
+        op = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if op == "flip" and raw:
+            at = data.draw(st.integers(0, len(raw) - 1))
+            raw[at] = data.draw(st.integers(0, 255))
+        elif op == "cut" and raw:
+            del raw[data.draw(st.integers(0, len(raw) - 1)):]
+        else:
+            raw += data.draw(st.binary(max_size=8))
+    frames[which] = bytes(raw)
+    try:
+        back = Payload.from_frames(frames)
+    except PayloadError:
+        return
+    dense = back.decompress()  # a decode that succeeds yields a usable, in-range tensor
+    assert tuple(dense.shape) == back.shape
+
+
+@given(st.lists(st.binary(max_size=64), max_size=4))
+def test_random_frames_never_crash_the_decoder(frames):
+    try:
+        Payload.from_frames(frames)
+    except PayloadError:
+        pass

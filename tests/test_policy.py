@@ -1,0 +1,60 @@
+"""Partial sparsification: what goes dense, and the budget mode's volume."""
+import math
+
+import pytest
+import torch
+
+from adtopk_ps.compression import SparsificationPolicy, fibre_k
+from adtopk_ps.env import EnvError
+
+
+def _model():
+    return [("conv.weight", torch.zeros(64, 32, 3, 3)), ("conv.bias", torch.zeros(64)),
+            ("fc.weight", torch.zeros(1000, 512)), ("fc.bias", torch.zeros(1000)),
+            ("tiny.weight", torch.zeros(10, 10)), ("norm.weight", torch.zeros(512))]
+
+
+def test_dense_for_one_dim_and_small_tensors():
+    routes = SparsificationPolicy(0.01, environ={}).plan(_model())
+    assert routes["conv.bias"].dense and routes["fc.bias"].dense and routes["norm.weight"].dense
+    assert routes["tiny.weight"].dense  # 400 bytes < 65536
+    assert not routes["conv.weight"].dense and not routes["fc.weight"].dense
+    assert routes["fc.weight"].ratio == 0.01
+
+
+def test_threshold_comes_from_the_environment():
+    env = {"BYTEPS_MIN_COMPRESS_BYTES": "100"}
+    policy = SparsificationPolicy(0.01, environ=env)
+    assert policy.min_compress_bytes == 100
+    assert not policy.route(torch.zeros(10, 10)).dense  # 400 bytes >= 100
+    assert policy.route(torch.zeros(10, 10, dtype=torch.float16)).dense is False
+    assert policy.route(torch.zeros(4, 4)).dense  # 64 bytes
+
+
+@pytest.mark.parametrize("raw", ["lots", "-1"])
+def test_bad_environment_value_names_the_variable(raw):
+    with pytest.raises(EnvError, match="BYTEPS_MIN_COMPRESS_BYTES"):
+        SparsificationPolicy(0.01, environ={"BYTEPS_MIN_COMPRESS_BYTES": raw})
+
+
+def test_budget_mode_keeps_total_volume():
+    model = _model()
+    total = sum(t.numel() for _, t in model)
+    policy = SparsificationPolicy(0.05, min_compress_bytes=65536, budget=True)
+    routes = policy.plan(model)
+    sent = sum(t.numel() if routes[n].dense else t.numel() * routes[n].ratio for n, t in model)
+    assert math.isclose(sent, 0.05 * total, rel_tol=1e-9)
+    assert policy.sparse_ratio < 0.05  # dense tensors took part of the budget
+
+
+def test_budget_mode_refuses_a_budget_the_dense_tensors_exceed():
+    with pytest.raises(ValueError, match="over the budget"):
+        SparsificationPolicy(0.001, min_compress_bytes=65536, budget=True).plan(_model())
+
+
+def test_route_ratio_drives_the_compressor():
+    from adtopk_ps.compression import ADTopk
+    policy = SparsificationPolicy(0.05, min_compress_bytes=0, budget=True)
+    routes = policy.plan([("w", torch.zeros(100, 400)), ("b", torch.zeros(100))])
+    p = ADTopk(0.05).compress(torch.randn(100, 400), "w", ratio=routes["w"].ratio)
+    assert p.values.shape[1] == fibre_k(400, routes["w"].ratio) < fibre_k(400, 0.05)
