@@ -5,7 +5,7 @@ from hypothesis import strategies as st
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 small_dim = st.integers(1, 9)
-axis_dim = st.one_of(st.integers(1, 3), st.integers(4, 300), st.sampled_from([255, 256, 257, 4096]))
+axis_dim = st.one_of(st.integers(1, 3), st.integers(4, 300), st.sampled_from([255, 256, 257, 1024, 1500, 4096]))
 
 shapes_2d = st.tuples(st.integers(1, 40), axis_dim)
 shapes_4d = st.tuples(st.integers(1, 6), axis_dim, small_dim, st.integers(1, 3))
