@@ -10,9 +10,9 @@ import math
 import torch
 
 # Fibres shorter than this sort faster in one go (measured: benchmarks/compression.py).
-_MIN_TWO_STAGE = 512
+_MIN_TWO_STAGE = 1024
 # Group sizes outside this range measured slower on every layer shape tried.
-_MIN_GROUP, _MAX_GROUP = 4, 16
+_MIN_GROUP, _MAX_GROUP = 4, 8
 
 
 def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
