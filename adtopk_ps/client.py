@@ -1,0 +1,329 @@
+"""The worker's side of the parameter server (ps-lite's KVWorker).
+
+``push_pull`` returns at once with a handle. One background engine thread
+owns every socket: it compresses queued tensors in priority order (later
+layers, whose gradients the backward pass produces first, go first), splits
+them into keys, keeps several keys in flight on one DEALER per server, and
+writes each answer into the handle's output as it arrives.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from . import wire
+from .cluster import ClusterConfig, make_key, partition_rows, server_of
+from .compression import Compressor, Dense
+from .env import env_int
+from .transport import ClusterError, SchedulerLink, make_socket, register_timeout, send
+
+log = logging.getLogger("adtopk_ps.client")
+
+
+def split(tensor: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of a tensor's partitions (rows for 2+ dimensions, flat elements otherwise)."""
+    if tensor.dim() >= 2:
+        return [tensor.narrow(0, start, length) for start, length in blocks]
+    flat = tensor.reshape(-1)
+    return [flat.narrow(0, start, length) for start, length in blocks]
+
+
+def part_name(name: str, index: int) -> str:
+    """The name a partition's compressor state is kept under."""
+    return f"{name}#{index}"
+
+
+class PushPullError(RuntimeError):
+    """A server refused one of this worker's pushes."""
+
+
+class Handle:
+    """The pending result of one ``push_pull``."""
+
+    def __init__(self, client: "PSClient", name: str, out: torch.Tensor, parts: int, average: bool):
+        self.name, self.out, self.average = name, out, average
+        self._client = client
+        self._left = parts
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The averaged (or summed) result; raises if the job failed or ``timeout`` passed."""
+        timeout = self._client.timeout if timeout is None else timeout
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"push_pull of {self.name!r} not answered within {timeout:.1f} s")
+        if self._error is not None:
+            raise self._error
+        return self.out
+
+    def _part_done(self) -> None:
+        self._left -= 1
+        if self._left == 0:
+            if self.average:
+                self.out.div_(self._client.size)
+            self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+
+@dataclass
+class _Tensor:
+    id: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: list[tuple[int, int]]
+    keys: list[int]
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    seq: int
+    handle: Handle = field(compare=False)
+    tensor: torch.Tensor = field(compare=False)
+    meta: _Tensor = field(compare=False)
+    compressor: Compressor = field(compare=False)
+    step: int = field(compare=False)
+
+
+@dataclass
+class _Part:
+    handle: Handle
+    view: torch.Tensor  # where the answer goes
+    round: int
+
+
+class PSClient:
+    """One worker's connection to the scheduler and every server."""
+
+    def __init__(self, config: ClusterConfig | None = None, ctx: zmq.Context | None = None):
+        self.config = config or ClusterConfig.from_env(role="worker")
+        self.timeout = float(env_int("PS_PUSH_PULL_TIMEOUT_S", 600, minimum=1))
+        self.credit = env_int("BYTEPS_SCHEDULING_CREDIT", 8, minimum=1)
+        self.ctx = ctx or zmq.Context.instance()
+        self.rank, self.size = -1, self.config.num_workers
+        self.bytes_pushed = self.bytes_pulled = 0
+        self._tensors: dict[str, _Tensor] = {}
+        self._steps: dict[str, int] = {}
+        self._last: dict[str, Handle] = {}
+        self._rounds: dict[int, int] = {}
+        self._jobs: list[_Job] = []
+        self._commands: list[tuple] = []
+        self._seq = itertools.count()
+        self._lock = threading.Lock()
+        wake_addr = f"inproc://adtopk-wake-{id(self)}"
+        self._wake_in = make_socket(self.ctx, zmq.PULL)
+        self._wake_in.bind(wake_addr)
+        self._wake_out = make_socket(self.ctx, zmq.PUSH)
+        self._wake_out.connect(wake_addr)
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._engine, name="adtopk-engine", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(register_timeout() + 5) or self._error is not None:
+            self._closed = True
+            raise self._error or ClusterError("the worker engine did not start")
+
+    # --- the caller's side -------------------------------------------------
+
+    def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
+                  average: bool = True, priority: int | None = None) -> Handle:
+        """Start summing ``tensor`` across workers; do not modify it until the handle is done."""
+        self._check()
+        meta = self._declare(name, tensor)
+        last = self._last.get(name)
+        if last is not None and not last.done():
+            raise ValueError(f"push_pull of {name!r} is still in flight; wait for it first")
+        step = self._steps.get(name, 0)
+        self._steps[name] = step + 1
+        out = torch.empty(meta.shape, dtype=meta.dtype, device=tensor.device)
+        handle = self._last[name] = Handle(self, name, out, len(meta.keys), average)
+        job = _Job(-meta.id if priority is None else priority, next(self._seq), handle,
+                   tensor.detach(), meta, compressor or Dense(), step)
+        with self._lock:
+            heapq.heappush(self._jobs, job)
+        self._poke()
+        return handle
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Wait until every worker has reached this barrier."""
+        self._check()
+        done = threading.Event()
+        with self._lock:
+            self._commands.append(("barrier", done))
+        self._poke()
+        timeout = self.timeout if timeout is None else timeout
+        if not done.wait(timeout):
+            raise TimeoutError(f"barrier not reached by every worker within {timeout:.1f} s")
+        self._check()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Tell the scheduler this worker is done and stop the engine."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._lock:
+            self._commands.append(("finish", None))
+        self._poke()
+        self._thread.join(timeout)
+        self._wake_out.close(0)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ClusterError("the parameter-server client has been shut down")
+
+    def _poke(self) -> None:
+        with self._lock:
+            self._wake_out.send(b"", zmq.NOBLOCK)
+
+    def _declare(self, name: str, tensor: torch.Tensor) -> _Tensor:
+        meta = self._tensors.get(name)
+        shape = tuple(tensor.shape)
+        if meta is None:
+            tid = len(self._tensors)
+            blocks = partition_rows(shape, tensor.element_size(), self.config.partition_bytes)
+            keys = [make_key(tid, i) for i in range(len(blocks))]
+            meta = self._tensors[name] = _Tensor(tid, shape, tensor.dtype, blocks, keys)
+        elif meta.shape != shape or meta.dtype != tensor.dtype:
+            raise ValueError(f"tensor {name!r} was declared as {meta.dtype} {meta.shape}, "
+                             f"now pushed as {tensor.dtype} {shape}")
+        return meta
+
+    # --- the engine thread -------------------------------------------------
+
+    def _engine(self) -> None:
+        link = SchedulerLink(self.ctx, self.config)
+        servers: list[zmq.Socket] = []
+        try:
+            book = link.register()
+            self.rank = link.rank
+            for address in book["servers"]:
+                sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}")
+                sock.connect(address)
+                servers.append(sock)
+            self._ready.set()
+            self._serve(link, servers)
+        except BaseException as exc:  # anything here ends the job for this worker
+            if not isinstance(exc, ClusterError):
+                log.exception("worker engine failed")
+            self._error = exc if isinstance(exc, ClusterError) else ClusterError(f"engine failed: {exc}")
+            self._ready.set()
+            self._fail_all(self._error)
+        finally:
+            for sock in servers:
+                sock.close(0)
+            link.close()
+            self._wake_in.close(0)
+
+    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket]) -> None:
+        poller = zmq.Poller()
+        poller.register(link.sock, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        for sock in servers:
+            poller.register(sock, zmq.POLLIN)
+        which = {sock: i for i, sock in enumerate(servers)}
+        self._inflight: dict[int, _Part] = {}
+        self._pending: list[list[tuple[int, int, int, list]]] = [[] for _ in servers]
+        self._busy = [0] * len(servers)
+        barriers: list[tuple[int, threading.Event]] = []
+        barrier_seq = 0
+        finishing = False
+        tick_ms = int(self.config.heartbeat_interval * 1000)
+        while True:
+            for sock, _ in poller.poll(tick_ms):
+                if sock is link.sock:
+                    link.handle(link.sock.recv_multipart(copy=False))
+                elif sock is self._wake_in:
+                    while self._wake_in.poll(0):
+                        self._wake_in.recv()
+                else:
+                    self._on_answer(which[sock], sock.recv_multipart(copy=False))
+            with self._lock:
+                commands, self._commands = self._commands, []
+            for op, event in commands:
+                if op == "barrier":
+                    barrier_seq += 1
+                    link.barrier(barrier_seq)
+                    barriers.append((barrier_seq, event))
+                elif not finishing:
+                    link.finish()
+                    finishing = True
+            for seq, event in [b for b in barriers if b[0] <= link.barrier_done]:
+                barriers.remove((seq, event))
+                event.set()
+            if finishing and link.shutdown:
+                return
+            self._launch(servers)
+            link.tick()
+
+    def _launch(self, servers: list[zmq.Socket]) -> None:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    break
+                job = heapq.heappop(self._jobs)
+            self._compress(job)
+        for s, queue in enumerate(self._pending):
+            while queue and self._busy[s] < self.credit:
+                _, _, key, frames = heapq.heappop(queue)
+                send(servers[s], frames)
+                self._busy[s] += 1
+
+    def _compress(self, job: _Job) -> None:
+        meta = job.meta
+        parts = split(job.tensor, meta.blocks)
+        outs = split(job.handle.out, meta.blocks)
+        for index, (part, out, key) in enumerate(zip(parts, outs, meta.keys)):
+            payload = job.compressor.compress(part, part_name(job.handle.name, index), job.step)
+            rnd = self._rounds.get(key, 0)
+            self._rounds[key] = rnd + 1
+            frames = wire.encode("push", key=key, round=rnd, sender=self.rank, payload=payload)
+            self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
+            self._inflight[key] = _Part(job.handle, out, rnd)
+            s = server_of(key, len(self._pending))
+            heapq.heappush(self._pending[s], (job.priority, next(self._seq), key, frames))
+
+    def _on_answer(self, server: int, frames: list) -> None:
+        self._busy[server] -= 1
+        self.bytes_pulled += sum(memoryview(f).nbytes for f in frames)
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as exc:
+            raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        part = self._inflight.pop(msg.key, None)
+        if part is None or msg.round != part.round:
+            raise ClusterError(f"server {server} answered key {msg.key} round {msg.round}, "
+                               f"which this worker is not waiting for")
+        if msg.op == "error":
+            part.handle._fail(PushPullError(f"server {server} refused key {msg.key} of "
+                                            f"{part.handle.name!r}: {msg.extra.get('message')}"))
+            return
+        if msg.op != "result" or msg.payload.shape != tuple(part.view.shape):
+            raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
+                               f"of the wrong shape")
+        part.view.copy_(msg.payload.decompress())
+        part.handle._part_done()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs, self._jobs = self._jobs, []
+        for job in jobs:
+            job.handle._fail(error)
+        for part in getattr(self, "_inflight", {}).values():
+            part.handle._fail(error)

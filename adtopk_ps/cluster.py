@@ -1,0 +1,159 @@
+"""Cluster membership: who a node is, how many peers it has, and which server owns a key.
+
+This is ps-lite's Postoffice: everything here is derived from the DMLC/BytePS
+environment contract, so a node can be configured the same way on one host,
+by hand on several machines, or in Kubernetes pods.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass
+from typing import Mapping
+
+from .env import EnvError, env_int
+
+ROLES = ("scheduler", "server", "worker")
+DEFAULT_PARTITION_BYTES = 4096000
+PARTITION_BITS = 16
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    role: str
+    num_workers: int
+    num_servers: int
+    root_uri: str
+    root_port: int
+    worker_id: int | None
+    node_host: str
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    partition_bytes: int
+    verbose: int
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 role: str | None = None) -> "ClusterConfig":
+        env = os.environ if environ is None else environ
+        role = role or env.get("DMLC_ROLE", "")
+        if role not in ROLES:
+            raise EnvError(f"environment variable DMLC_ROLE={role!r} must be one of {list(ROLES)}"
+                           if role else "environment variable DMLC_ROLE is required but not set")
+        uri = env.get("DMLC_PS_ROOT_URI", "").strip()
+        if not uri:
+            raise EnvError("environment variable DMLC_PS_ROOT_URI is required but not set")
+        # Every local process of a worker host is a worker of its own; hosts
+        # run BYTEPS_LOCAL_SIZE of them (set it on every role when it is > 1).
+        hosts = env_int("DMLC_NUM_WORKER", minimum=1, environ=env)
+        local_size = env_int("BYTEPS_LOCAL_SIZE", 1, minimum=1, environ=env)
+        num_workers = hosts * local_size
+        worker_id = None
+        if role == "worker" and env.get("DMLC_WORKER_ID", "").strip():
+            host_id = env_int("DMLC_WORKER_ID", minimum=0, environ=env)
+            if host_id >= hosts:
+                raise EnvError(f"environment variable DMLC_WORKER_ID={host_id} must be below "
+                               f"DMLC_NUM_WORKER={hosts}")
+            local_rank = env_int("BYTEPS_LOCAL_RANK", 0, minimum=0, environ=env)
+            if local_rank >= local_size:
+                raise EnvError(f"environment variable BYTEPS_LOCAL_RANK={local_rank} must be below "
+                               f"BYTEPS_LOCAL_SIZE={local_size}")
+            worker_id = host_id * local_size + local_rank
+        hb_ms = env_int("PS_HEARTBEAT_INTERVAL_MS", 500, minimum=10, environ=env)
+        timeout_ms = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, minimum=2 * hb_ms, environ=env)
+        return cls(
+            role=role,
+            num_workers=num_workers,
+            num_servers=env_int("DMLC_NUM_SERVER", minimum=1, environ=env),
+            root_uri=uri,
+            root_port=env_int("DMLC_PS_ROOT_PORT", minimum=1, environ=env),
+            worker_id=worker_id,
+            node_host=node_host(env),
+            heartbeat_interval=hb_ms / 1000,
+            heartbeat_timeout=timeout_ms / 1000,
+            partition_bytes=env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1,
+                                    environ=env),
+            verbose=env_int("PS_VERBOSE", 0, minimum=0, environ=env),
+        )
+
+
+def node_host(env: Mapping[str, str]) -> str:
+    """The address this node announces to its peers."""
+    host = env.get("DMLC_NODE_HOST", "").strip()
+    if host:
+        return host
+    iface = env.get("DMLC_INTERFACE", "").strip()
+    if iface:
+        return _interface_address(iface)
+    uri = env.get("DMLC_PS_ROOT_URI", "127.0.0.1").strip()
+    if uri in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    return _route_address(uri)
+
+
+def _interface_address(iface: str) -> str:
+    import fcntl
+    import struct
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", iface[:15].encode()))
+        except OSError as exc:
+            raise EnvError(f"environment variable DMLC_INTERFACE={iface!r}: {exc.strerror}") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _route_address(uri: str) -> str:
+    """The local address the kernel would use to reach the scheduler (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((uri, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def make_key(tensor_id: int, partition: int) -> int:
+    """byteps' key layout: declaration index in the high bits, partition in the low 16."""
+    if not 0 <= partition < 1 << PARTITION_BITS:
+        raise ValueError(f"partition {partition} does not fit in {PARTITION_BITS} bits")
+    return (tensor_id << PARTITION_BITS) + partition
+
+
+def djb2(text: str) -> int:
+    h = 5381
+    for ch in text.encode():
+        h = (h * 33 + ch) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def server_of(key: int, num_servers: int) -> int:
+    """byteps' default placement: djb2 of the key's decimal string, modulo S."""
+    return djb2(str(key)) % num_servers
+
+
+def partition_rows(shape: tuple[int, ...], element_size: int, partition_bytes: int) -> list[tuple[int, int]]:
+    """Split a tensor into (start, length) blocks of at most ``partition_bytes``.
+
+    Tensors of two or more dimensions split along dim 0, so every axis-1
+    fibre stays whole in one partition and ADTopk of the parts equals ADTopk
+    of the whole. Others split their flat elements.
+    """
+    numel = math.prod(shape)
+    if numel == 0:
+        return [(0, 0)]
+    if len(shape) >= 2:
+        unit, count = numel // shape[0], shape[0]
+    else:
+        unit, count = 1, numel
+    per = max(1, partition_bytes // (unit * element_size))
+    blocks = [(start, min(per, count - start)) for start in range(0, count, per)]
+    if len(blocks) > 1 << PARTITION_BITS:
+        raise ValueError(f"a tensor of shape {shape} needs {len(blocks)} partitions of "
+                         f"{partition_bytes} bytes; raise BYTEPS_PARTITION_BYTES")
+    return blocks

@@ -1,0 +1,192 @@
+"""``bpslaunch``: start a role from the DMLC environment, or a whole cluster on this host.
+
+    DMLC_ROLE=worker ... bpslaunch python train.py     # one process per local device
+    DMLC_ROLE=server ... bpslaunch                     # runs the server role
+    bpslaunch --local --num-workers 2 --num-servers 2 -- python -m worker --config ...
+
+With ``--local`` it starts a scheduler, the servers and the workers on free
+ports, prefixes each line of their output with the role, and exits with the
+status of the first process that failed (0 when every one succeeded).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Mapping, Sequence
+
+from .cluster import ClusterConfig
+from .env import EnvError, env_int
+
+
+def _python_module(module: str) -> list[str]:
+    return [sys.executable, "-u", "-m", module]
+
+
+class Child:
+    """A role process whose output is copied line by line with a prefix."""
+
+    def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], lock: threading.Lock):
+        self.label = label
+        self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self._pump = threading.Thread(target=self._copy, args=(lock,), daemon=True)
+        self._pump.start()
+
+    def _copy(self, lock: threading.Lock) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            with lock:
+                sys.stdout.write(f"[{self.label}] {raw.decode(errors='replace')}")
+                sys.stdout.flush()
+
+    def status(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None and code < 0:
+            return 128 - code  # killed by a signal, as a shell reports it
+        return code
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def join(self) -> None:
+        self.proc.wait()
+        self._pump.join(2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def run_local(num_workers: int, num_servers: int, command: Sequence[str],
+              timeout: float | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """A whole cluster on this host; returns the first failure's status, or 0."""
+    base = dict(os.environ if environ is None else environ)
+    base.update({
+        "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
+        "DMLC_NUM_WORKER": str(num_workers), "DMLC_NUM_SERVER": str(num_servers),
+        "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
+        "PYTHONUNBUFFERED": "1",
+    })
+    grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
+    lock = threading.Lock()
+    children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),
+                      {**base, "DMLC_ROLE": "scheduler"}, lock)]
+    children += [Child(f"server {i}", _python_module("server"), {**base, "DMLC_ROLE": "server"}, lock)
+                 for i in range(num_servers)]
+    children += [Child(f"worker {i}", command,
+                       {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}, lock)
+                 for i in range(num_workers)]
+    return supervise(children, grace, timeout)
+
+
+def supervise(children: list[Child], grace: float, timeout: float | None) -> int:
+    """Wait for every child; after the first failure, give the rest ``grace`` seconds."""
+    first_failure: tuple[str, int] | None = None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    stop_at = None
+
+    def forward(signum, _frame):
+        for child in children:
+            child.kill(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(c.status() is None for c in children):
+            now = time.monotonic()
+            for child in children:
+                code = child.status()
+                if code and first_failure is None:
+                    first_failure = (child.label, code)
+                    stop_at = now + grace
+                    print(f"[bpslaunch] {child.label} exited with status {code}; waiting up to "
+                          f"{grace:.0f} s for the others", file=sys.stderr, flush=True)
+            if deadline is not None and now > deadline and first_failure is None:
+                first_failure = ("bpslaunch", 124)
+                print(f"[bpslaunch] the job ran past its {timeout:.0f} s timeout; stopping it",
+                      file=sys.stderr, flush=True)
+                stop_at = now
+            if stop_at is not None and now >= stop_at:
+                for child in children:
+                    if child.status() is None:
+                        print(f"[bpslaunch] killing {child.label}", file=sys.stderr, flush=True)
+                        child.kill()
+            time.sleep(0.05)
+    finally:
+        for child in children:
+            child.kill()
+            child.join()
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if first_failure is None:
+        return 0
+    return first_failure[1]
+
+
+def local_size(environ: Mapping[str, str]) -> int:
+    """Worker processes for this host: BYTEPS_LOCAL_SIZE, else one per visible GPU, else 1."""
+    if environ.get("BYTEPS_LOCAL_SIZE", "").strip():
+        return env_int("BYTEPS_LOCAL_SIZE", minimum=1, environ=environ)
+    visible = environ.get("CUDA_VISIBLE_DEVICES", environ.get("NVIDIA_VISIBLE_DEVICES", "")).strip()
+    if visible and visible not in ("all", "none", "void"):
+        return len([d for d in visible.split(",") if d.strip()])
+    import torch  # only a worker host asks, and only when nothing above says
+    return max(1, torch.cuda.device_count())
+
+
+def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    env = dict(os.environ if environ is None else environ)
+    config = ClusterConfig.from_env(env)  # validates the whole contract up front
+    if config.role == "scheduler":
+        from .scheduler import main as scheduler_main
+        return scheduler_main()
+    if config.role == "server":
+        return subprocess.call(_python_module("server"), env=env)
+    if not command:
+        raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
+    size = local_size(env)
+    env["BYTEPS_LOCAL_SIZE"] = str(size)
+    ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract
+    lock = threading.Lock()
+    children = [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
+                      command, {**env, "BYTEPS_LOCAL_RANK": str(rank)}, lock)
+                for rank in range(size)]
+    return supervise(children, config.heartbeat_timeout + 5, None)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bpslaunch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--local", action="store_true", help="run a whole cluster on this host")
+    ap.add_argument("--num-workers", type=int, default=2, help="with --local (default 2)")
+    ap.add_argument("--num-servers", type=int, default=1, help="with --local (default 1)")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="with --local: stop the job after this many seconds (status 124)")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
+    args = ap.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        if args.local:
+            if args.num_workers < 1 or args.num_servers < 1:
+                raise EnvError("--num-workers and --num-servers must be at least 1")
+            if not command:
+                raise EnvError("--local needs the worker command after --")
+            return run_local(args.num_workers, args.num_servers, command, args.timeout)
+        return run_role(command)
+    except EnvError as exc:
+        print(f"bpslaunch: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

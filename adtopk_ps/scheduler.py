@@ -1,0 +1,217 @@
+"""The scheduler role: membership, the address book, barriers and liveness.
+
+It waits for DMLC_NUM_SERVER servers and DMLC_NUM_WORKER workers, gives
+every node its rank and the servers' addresses, answers heartbeats, and
+when a node goes silent tells everyone which one, so the job ends with a
+clear error instead of a hang. When every worker has finished it tells the
+servers to shut down and exits 0.
+
+    DMLC_ROLE=scheduler ... python -m adtopk_ps.scheduler
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+
+import zmq
+
+from . import wire
+from .cluster import ClusterConfig
+from .env import EnvError
+from .transport import make_socket, register_timeout, send
+
+log = logging.getLogger("adtopk_ps.scheduler")
+
+
+@dataclass
+class Node:
+    identity: bytes
+    role: str
+    rank: int
+    address: str
+    last_seen: float
+    finished: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank} ({self.address})"
+
+
+class Scheduler:
+    def __init__(self, config: ClusterConfig, ctx: zmq.Context | None = None):
+        self.config = config
+        self.ctx = ctx or zmq.Context.instance()
+        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.bind(f"tcp://*:{config.root_port}")
+        self.nodes: dict[bytes, Node] = {}
+        self.started = False
+        self.barrier_seq = 0
+        self.barrier_waiting: set[bytes] = set()
+
+    def run(self) -> int:
+        cfg = self.config
+        log.info("scheduler listening on port %d for %d server(s) and %d worker(s)",
+                 cfg.root_port, cfg.num_servers, cfg.num_workers)
+        deadline = time.monotonic() + register_timeout()
+        try:
+            while True:
+                if self.sock.poll(int(cfg.heartbeat_interval * 1000)):
+                    identity, *frames = self.sock.recv_multipart(copy=False)
+                    done = self._on_message(identity.bytes, frames)
+                    if done:
+                        return 0
+                lost = self._silent_node()
+                if lost is not None:
+                    return self._lose(lost)
+                if not self.started and time.monotonic() > deadline:
+                    have = self._count()
+                    log.error("only %d server(s) and %d worker(s) registered within %.0f s "
+                              "(PS_REGISTER_TIMEOUT_S); giving up", have["server"], have["worker"],
+                              register_timeout())
+                    return 1
+        finally:
+            self.sock.close(0)
+
+    def _count(self) -> dict:
+        counts = {"server": 0, "worker": 0}
+        for node in self.nodes.values():
+            counts[node.role] += 1
+        return counts
+
+    def _reply(self, identity: bytes, op: str, **extra) -> None:
+        try:
+            send(self.sock, wire.encode(op, **extra), identity)
+        except zmq.ZMQError as exc:  # the peer is gone; its silence will be noticed
+            log.warning("could not reach %r: %s", identity, exc)
+
+    def _on_message(self, identity: bytes, frames: list) -> bool:
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as exc:
+            log.warning("dropped a malformed message from %r: %s", identity, exc)
+            self._reply(identity, "error", message=str(exc))
+            return False
+        node = self.nodes.get(identity)
+        if node is not None:
+            node.last_seen = time.monotonic()
+        if msg.op == "register":
+            self._register(identity, msg)
+        elif node is None:
+            self._reply(identity, "error", message=f"{msg.op} from a node that never registered")
+        elif msg.op == "heartbeat":
+            self._reply(identity, "heartbeat")
+        elif msg.op == "barrier":
+            return self._barrier(node)
+        elif msg.op == "finish":
+            return self._finish(node)
+        else:
+            self._reply(identity, "error", message=f"op {msg.op!r} is not for the scheduler")
+        return False
+
+    def _register(self, identity: bytes, msg: wire.Message) -> None:
+        cfg = self.config
+        role = msg.extra.get("role")
+        host, port = msg.extra.get("host"), msg.extra.get("port")
+        wid = msg.extra.get("worker_id", -1)
+        problem = None
+        if self.started:
+            problem = "the job has already started"
+        elif role not in ("server", "worker"):
+            problem = f"role {role!r} cannot register"
+        elif not isinstance(host, str) or not isinstance(port, int) or not isinstance(wid, int):
+            problem = "register needs host (str), port (int) and worker_id (int)"
+        elif self._count()[role] >= (cfg.num_servers if role == "server" else cfg.num_workers):
+            problem = (f"all {role}s have already registered (expected "
+                       f"{cfg.num_servers if role == 'server' else cfg.num_workers}: DMLC_NUM_SERVER, "
+                       f"or DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)")
+        elif role == "worker" and wid >= cfg.num_workers:
+            problem = f"DMLC_WORKER_ID={wid} is not below DMLC_NUM_WORKER={cfg.num_workers}"
+        elif role == "worker" and wid >= 0 and any(
+                n.role == "worker" and n.rank == wid for n in self.nodes.values()):
+            problem = f"DMLC_WORKER_ID={wid} is taken by another worker"
+        if problem:
+            log.error("refused %s from %s:%s: %s", role, host, port, problem)
+            self._reply(identity, "error", message=problem)
+            return
+        address = f"tcp://{host}:{port}" if role == "server" else f"{host}"
+        self.nodes[identity] = Node(identity, role, wid, address, time.monotonic())
+        log.info("registered %s at %s", role, address)
+        counts = self._count()
+        if counts["server"] == cfg.num_servers and counts["worker"] == cfg.num_workers:
+            self._start()
+
+    def _start(self) -> None:
+        servers = [n for n in self.nodes.values() if n.role == "server"]
+        for rank, node in enumerate(servers):
+            node.rank = rank
+        taken = {n.rank for n in self.nodes.values() if n.role == "worker" and n.rank >= 0}
+        free = iter(r for r in range(self.config.num_workers) if r not in taken)
+        for node in self.nodes.values():
+            if node.role == "worker" and node.rank < 0:
+                node.rank = next(free)
+        book = [n.address for n in servers]
+        for node in self.nodes.values():
+            self._reply(node.identity, "addressbook", rank=node.rank, servers=book,
+                        num_workers=self.config.num_workers)
+        self.started = True
+        log.info("all %d node(s) registered; job started", len(self.nodes))
+
+    def _barrier(self, node: Node) -> bool:
+        self.barrier_waiting.add(node.identity)
+        live = [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
+        if all(n.identity in self.barrier_waiting for n in live):
+            self.barrier_seq += 1
+            for identity in self.barrier_waiting:
+                self._reply(identity, "barrier_done", round=self.barrier_seq)
+            self.barrier_waiting.clear()
+        return False
+
+    def _finish(self, node: Node) -> bool:
+        node.finished = True
+        self._reply(node.identity, "shutdown")
+        log.info("%s finished", node.label)
+        if all(n.finished for n in self.nodes.values() if n.role == "worker"):
+            for n in self.nodes.values():
+                if n.role == "server":
+                    self._reply(n.identity, "shutdown")
+            log.info("all workers finished; shutting down")
+            return True
+        return False
+
+    def _silent_node(self) -> Node | None:
+        now = time.monotonic()
+        for identity, node in list(self.nodes.items()):
+            if node.finished or now - node.last_seen <= self.config.heartbeat_timeout:
+                continue
+            if self.started:
+                return node
+            log.warning("%s went silent before the job started; dropping it", node.label)
+            del self.nodes[identity]
+        return None
+
+    def _lose(self, lost: Node) -> int:
+        silent = time.monotonic() - lost.last_seen
+        what = f"{lost.label} lost: no heartbeat for {silent:.1f} s"
+        log.error("%s; telling every node", what)
+        for node in self.nodes.values():
+            if node is not lost and not node.finished:
+                self._reply(node.identity, "node_lost", what=what)
+        time.sleep(0.2)  # let the notices leave before the socket closes
+        return 1
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = ClusterConfig.from_env(role="scheduler")
+    except EnvError as exc:
+        print(f"scheduler: {exc}", file=sys.stderr)
+        return 2
+    return Scheduler(config).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Per-key BSP aggregation: a round completes when every worker has pushed once.
+
+Dense pushes add into a preallocated buffer; sparse ones ``scatter_add_`` into
+it in place, with no dense expansion per push. The answer to the round is
+whichever encoding of the sum is smaller: the sparse union or the dense
+tensor, or (optionally) a top-k re-sparsification with a server residual.
+
+Each key has two buffers used in alternate rounds. A dense answer is sent
+straight from its buffer without a copy, and round r+2, the next one to
+touch that buffer, cannot start before every worker has received round r's
+answer (each worker pushes round r+1 only after that).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from adtopk_ps.compression import ADTopk, Compressor, ErrorFeedback, Payload, index_dtype
+
+
+class PushRejected(ValueError):
+    """A push that must not enter the aggregate; the text goes back to its sender."""
+
+
+@dataclass
+class KeyState:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sparse: bool
+    buffers: tuple[torch.Tensor, torch.Tensor]
+    round: int = 0
+    pushed: set[int] = field(default_factory=set)
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        return self.buffers[self.round % 2]
+
+
+def hybrid(aggregate: torch.Tensor) -> Payload:
+    """The smaller of the sparse union and the dense tensor."""
+    flat = aggregate.view(-1)
+    positions = torch.nonzero(flat).view(-1)
+    idtype = index_dtype(flat.numel())
+    itemsize = aggregate.element_size()
+    sparse_bytes = positions.numel() * (itemsize + torch.empty(0, dtype=idtype).element_size())
+    if sparse_bytes < flat.numel() * itemsize:
+        return Payload("coo", tuple(aggregate.shape), aggregate.dtype, flat[positions],
+                       positions.to(idtype))
+    return Payload("dense", tuple(aggregate.shape), aggregate.dtype, flat)
+
+
+class Aggregator:
+    """All keys of one server."""
+
+    def __init__(self, num_workers: int, resparsify: Compressor | None = None,
+                 max_keys: int = 1 << 20, max_bytes: int = 1 << 34):
+        self.num_workers = num_workers
+        self.resparsify = ErrorFeedback(resparsify) if resparsify is not None else None
+        self.max_keys, self.max_bytes = max_keys, max_bytes
+        self.keys: dict[int, KeyState] = {}
+        self.bytes_held = 0
+
+    def push(self, key: int, round: int, sender: int, payload: Payload) -> Payload | None:
+        """Add one worker's push; returns the round's answer when it completes."""
+        if not 0 <= sender < self.num_workers:
+            raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
+        state = self.keys.get(key)
+        if state is None:
+            state = self._declare(key, payload)
+        if payload.shape != state.shape or payload.dtype != state.dtype:
+            raise PushRejected(
+                f"key {key} holds {state.dtype} {state.shape}, push has {payload.dtype} {payload.shape}")
+        if round != state.round:
+            raise PushRejected(f"push for round {round} of key {key}, which is at round {state.round}")
+        if sender in state.pushed:
+            raise PushRejected(f"worker {sender} already pushed round {round} of key {key}")
+        buffer = state.buffer
+        if not state.pushed:
+            buffer.zero_()
+        payload.accumulate_into(buffer)
+        state.pushed.add(sender)
+        if len(state.pushed) < self.num_workers:
+            return None
+        state.pushed.clear()
+        state.round += 1
+        return self._answer(key, state, round)
+
+    def _declare(self, key: int, payload: Payload) -> KeyState:
+        if len(self.keys) >= self.max_keys:
+            raise PushRejected(f"key {key} would exceed the server's limit of {self.max_keys} keys")
+        nbytes = 2 * math.prod(payload.shape) * torch.empty(0, dtype=payload.dtype).element_size()
+        if self.bytes_held + nbytes > self.max_bytes:
+            raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
+                               f"of its {self.max_bytes} byte limit")
+        buffers = tuple(torch.zeros(payload.shape, dtype=payload.dtype) for _ in range(2))
+        self.bytes_held += nbytes
+        state = self.keys[key] = KeyState(payload.shape, payload.dtype, payload.codec != "dense",
+                                          buffers)
+        return state
+
+    def _answer(self, key: int, state: KeyState, round: int) -> Payload:
+        aggregate = state.buffers[round % 2]
+        comp = self.resparsify
+        if comp is None or not state.sparse or (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
+            return hybrid(aggregate)
+        return comp.compress(aggregate, f"key{key}", round)

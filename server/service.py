@@ -1,0 +1,129 @@
+"""The server process: a ROUTER socket for workers' pushes, a link to the scheduler.
+
+Every push is decoded and checked before it touches an aggregate; a bad one
+gets an ``error`` reply naming what was wrong and the server carries on.
+When a round of a key completes, every worker that pushed it gets the
+answer.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from adtopk_ps import wire
+from adtopk_ps.cluster import ClusterConfig
+from adtopk_ps.compression import Compressor, create
+from adtopk_ps.env import env_int
+from adtopk_ps.transport import ClusterError, SchedulerLink, make_socket, send
+
+from .aggregator import Aggregator, PushRejected
+
+log = logging.getLogger("adtopk_ps.server")
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_message_bytes: int
+    max_keys: int
+    max_bytes: int
+
+    @classmethod
+    def from_env(cls) -> "ServerLimits":
+        return cls(
+            max_message_bytes=env_int("PS_MAX_MESSAGE_BYTES", wire.DEFAULT_MAX_MESSAGE_BYTES, minimum=1),
+            max_keys=env_int("PS_MAX_KEYS", 1 << 20, minimum=1),
+            max_bytes=env_int("PS_SERVER_MAX_BYTES", 1 << 34, minimum=1),
+        )
+
+
+def resparsifier_from_env() -> Compressor | None:
+    """``BYTEPS_SERVER_COMPRESSOR`` (e.g. ``topk`` or ``adtopk:0.01``) re-sparsifies answers."""
+    spec = os.environ.get("BYTEPS_SERVER_COMPRESSOR", "").strip()
+    if not spec:
+        return None
+    name, _, ratio = spec.partition(":")
+    try:
+        return create(name, **({"ratio": float(ratio)} if ratio else {}))
+    except ValueError as exc:
+        raise ValueError(f"environment variable BYTEPS_SERVER_COMPRESSOR={spec!r}: {exc}") from None
+
+
+class Server:
+    def __init__(self, config: ClusterConfig, limits: ServerLimits, resparsify=None,
+                 ctx: zmq.Context | None = None):
+        self.config, self.limits = config, limits
+        self.ctx = ctx or zmq.Context.instance()
+        self.data = make_socket(self.ctx, zmq.ROUTER)
+        self.port = self.data.bind_to_random_port("tcp://*")
+        self.link = SchedulerLink(self.ctx, config)
+        self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
+        self.waiting: dict[int, list[bytes]] = {}
+        self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
+        self.rejected = 0
+
+    def run(self) -> int:
+        try:
+            self.link.register(self.port)
+            log.info("server %d serving on port %d", self.link.rank, self.port)
+            poller = zmq.Poller()
+            poller.register(self.data, zmq.POLLIN)
+            poller.register(self.link.sock, zmq.POLLIN)
+            tick_ms = int(self.config.heartbeat_interval * 1000)
+            while not self.link.shutdown:
+                for sock, _ in poller.poll(tick_ms):
+                    if sock is self.link.sock:
+                        self.link.handle(self.link.sock.recv_multipart(copy=False))
+                    else:
+                        identity, *frames = self.data.recv_multipart(copy=False)
+                        self.on_push(identity.bytes, frames)
+                self.link.tick()
+            log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
+            return 0
+        except ClusterError as exc:
+            log.error("server %d: %s", self.link.rank, exc)
+            return 1
+        finally:
+            self.data.close(0)
+            self.link.close()
+
+    def on_push(self, identity: bytes, frames: list) -> None:
+        key = rnd = 0
+        try:
+            msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
+            key, rnd = msg.key, msg.round
+            if msg.op != "push":
+                raise PushRejected(f"op {msg.op!r} is not served here; send push")
+            if self.senders.get(msg.sender, identity) != identity:
+                raise PushRejected(f"sender {msg.sender} is bound to another connection")
+            answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload)
+            self.senders[msg.sender] = identity  # only an accepted push binds a rank
+        except (wire.WireError, PushRejected) as exc:
+            self.rejected += 1
+            log.warning("rejected a message from %r: %s", identity, exc)
+            send(self.data, wire.encode("error", key=key, round=rnd, message=str(exc)), identity)
+            return
+        self.waiting.setdefault(msg.key, []).append(identity)
+        if answer is None:
+            return
+        frames_out = wire.encode("result", key=msg.key, round=msg.round, payload=answer)
+        for peer in self.waiting.pop(msg.key):
+            send(self.data, frames_out, peer)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = ClusterConfig.from_env(role="server")
+        limits = ServerLimits.from_env()
+        resparsify = resparsifier_from_env()
+        threads = env_int("BYTEPS_SERVER_ENGINE_THREAD", 1, minimum=1)
+    except ValueError as exc:
+        print(f"server: {exc}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(threads)
+    return Server(config, limits, resparsify).run()

@@ -1,0 +1,112 @@
+"""A worker job that proves a cluster sums correctly: every aggregate is checked exactly.
+
+Every worker draws every worker's gradients from shared seeds, so each can
+compute, on its own, what the servers must return: the sum over workers of
+what each worker's compressor sends, divided by W. Gradients are small
+integers, so sums are exact in any order and results compare bit for bit.
+
+    bpslaunch --local --num-workers 2 --num-servers 2 -- \\
+        python -m worker.selfcheck --compressor adtopk --ratio 0.05 --ef --rounds 20
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+from adtopk_ps.client import PSClient, part_name, split
+from adtopk_ps.cluster import partition_rows
+from adtopk_ps.compression import COMPRESSORS, create
+
+DEFAULT_SHAPES = ["64x300", "1000", "7x3x5x5", "33x1", "1x70000", "600x1024"]
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return tuple(int(d) for d in text.lower().split("x"))
+
+
+def gradient(shape: tuple[int, ...], dtype: torch.dtype, worker: int, rnd: int, tensor: int,
+             seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + worker * 10_007 + rnd * 101 + tensor)
+    return torch.randint(-8, 9, shape, generator=gen).to(dtype)
+
+
+def make_compressor(args: argparse.Namespace):
+    if args.compressor == "none":
+        return create("none")
+    return create(args.compressor, ratio=args.ratio, ef="vanilla" if args.ef else None)
+
+
+def expected(compressors: list, grads: list[torch.Tensor], name: str, step: int,
+             partition_bytes: int) -> torch.Tensor:
+    """What the servers must answer: each worker's decompressed sends, summed, over W."""
+    g0 = grads[0]
+    blocks = partition_rows(tuple(g0.shape), g0.element_size(), partition_bytes)
+    total = torch.zeros_like(g0)
+    for comp, grad in zip(compressors, grads):
+        for index, (part, out) in enumerate(zip(split(grad, blocks), split(total, blocks))):
+            out.add_(comp.decompress(comp.compress(part, part_name(name, index), step)))
+    return total.div_(len(grads))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--compressor", default="adtopk", choices=sorted(COMPRESSORS))
+    ap.add_argument("--ratio", type=float, default=0.05)
+    ap.add_argument("--ef", action="store_true", help="wrap the compressor with error feedback")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES)
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each round")
+    args = ap.parse_args(argv)
+    shapes = [parse_shape(s) for s in args.shapes]
+    dtype = DTYPES[args.dtype]
+
+    client = PSClient()
+    rank, size = client.rank, client.size
+    print(f"worker {rank}/{size} pid={os.getpid()} compressor={args.compressor}", flush=True)
+    mine = make_compressor(args)
+    # a twin of every worker's compressor, so each worker can predict the sum
+    twins = [make_compressor(args) for _ in range(size)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    start = time.perf_counter()
+    try:
+        for rnd in range(args.rounds):
+            handles = []
+            for i, (name, shape) in enumerate(zip(names, shapes)):
+                grads = [gradient(shape, dtype, w, rnd, i, args.seed) for w in range(size)]
+                # dense tensors and the 1-D ones go dense, as the policy would send them
+                comp = mine if len(shape) >= 2 else create("none")
+                handles.append((name, client.push_pull(grads[rank], name, comp), grads))
+            for name, handle, grads in handles:
+                got = handle.wait()
+                comps = twins if len(grads[0].shape) >= 2 else [create("none")] * size
+                want = expected(comps, grads, name, rnd, client.config.partition_bytes)
+                if not torch.equal(got, want):
+                    bad = (got != want).sum().item()
+                    print(f"worker {rank}: round {rnd} tensor {name}: {bad} of {want.numel()} "
+                          f"elements differ from the expected aggregate", flush=True)
+                    return 1
+            print(f"worker {rank}: round {rnd} ok", flush=True)
+            if args.sleep:
+                time.sleep(args.sleep)
+        wall = time.perf_counter() - start
+        client.barrier()
+        print(f"worker {rank}: selfcheck passed: {args.rounds} rounds x {len(shapes)} tensors, "
+              f"{args.rounds / wall:.1f} rounds/s, pushed {client.bytes_pushed} B, "
+              f"pulled {client.bytes_pulled} B", flush=True)
+        return 0
+    except Exception as exc:
+        print(f"worker {rank}: {type(exc).__name__}: {exc}", flush=True)
+        return 1
+    finally:
+        client.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
