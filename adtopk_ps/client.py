@@ -53,6 +53,7 @@ class Handle:
         self._left = parts
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self.completed_at: float | None = None  # time.monotonic() when the answer was complete
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -71,6 +72,7 @@ class Handle:
         if self._left == 0:
             if self.average:
                 self.out.div_(self._client.size)
+            self.completed_at = time.monotonic()
             self._event.set()
 
     def _fail(self, error: BaseException) -> None:
@@ -115,6 +117,7 @@ class PSClient:
         self.credit = env_int("BYTEPS_SCHEDULING_CREDIT", 8, minimum=1)
         self.ctx = ctx or zmq.Context.instance()
         self.rank, self.size = -1, self.config.num_workers
+        self.servers: list[str] = []
         self.bytes_pushed = self.bytes_pulled = 0
         self._tensors: dict[str, _Tensor] = {}
         self._steps: dict[str, int] = {}
@@ -176,10 +179,11 @@ class PSClient:
         if self._closed:
             return
         self._closed = True
-        with self._lock:
-            self._commands.append(("finish", None))
-        self._poke()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._lock:
+                self._commands.append(("finish", None))
+            self._poke()
+            self._thread.join(timeout)
         self._wake_out.close(0)
 
     def _check(self) -> None:
@@ -190,7 +194,10 @@ class PSClient:
 
     def _poke(self) -> None:
         with self._lock:
-            self._wake_out.send(b"", zmq.NOBLOCK)
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already queued, or the engine has stopped
+                pass
 
     def _declare(self, name: str, tensor: torch.Tensor) -> _Tensor:
         meta = self._tensors.get(name)
@@ -212,7 +219,7 @@ class PSClient:
         servers: list[zmq.Socket] = []
         try:
             book = link.register()
-            self.rank = link.rank
+            self.rank, self.servers = link.rank, list(book["servers"])
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}")
                 sock.connect(address)

@@ -1,0 +1,53 @@
+"""Running real role processes from tests: bounded in time, cleaned up afterwards."""
+import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
+
+from adtopk_ps.cluster import ClusterConfig
+from adtopk_ps.launcher import free_port
+
+FAST = {"PS_HEARTBEAT_INTERVAL_MS": "200", "PS_HEARTBEAT_TIMEOUT_MS": "2000",
+        "PS_REGISTER_TIMEOUT_S": "60"}
+
+
+def bpslaunch(*args, env=None, timeout=120):
+    """Run ``bpslaunch`` to completion; returns the CompletedProcess (output merged)."""
+    full = {**os.environ, **FAST, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", *args], env=full,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def selfcheck(workers, servers, *args, env=None, timeout=180):
+    return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
+                     "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker.selfcheck",
+                     *args, env=env, timeout=timeout)
+
+
+def cluster_env(workers, servers, port, **extra):
+    return {**os.environ, **FAST, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+            "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
+            "DMLC_NODE_HOST": "127.0.0.1", **extra}
+
+
+@contextmanager
+def roles(workers, servers, **extra):
+    """A scheduler and ``servers`` server processes; yields the workers' ClusterConfig."""
+    port = free_port()
+    env = cluster_env(workers, servers, port, **extra)
+    procs = [subprocess.Popen([sys.executable, "-m", "adtopk_ps.scheduler"],
+                              env={**env, "DMLC_ROLE": "scheduler"}, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    procs += [subprocess.Popen([sys.executable, "-m", "server"], env={**env, "DMLC_ROLE": "server"},
+                               start_new_session=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+              for _ in range(servers)]
+    try:
+        yield ClusterConfig.from_env({**env, "DMLC_ROLE": "worker"}), procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)

@@ -1,0 +1,102 @@
+"""Server-side aggregation, in process: exact sums, BSP rounds, hybrid answers, limits."""
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from adtopk_ps.compression import Payload, create
+from server.aggregator import Aggregator, PushRejected, hybrid
+
+
+def _ints(shape, seed):
+    return torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+@given(st.sampled_from(["none", "topk", "adtopk", "randomk", "dgc", "threshold"]),
+       st.integers(1, 4), st.integers(1, 3), st.sampled_from([(12, 40), (5, 3, 4, 4), (30,)]))
+def test_rounds_sum_exactly_what_workers_sent(name, workers, rounds, shape):
+    if name == "adtopk" and len(shape) < 2:
+        name = "none"
+    agg = Aggregator(workers)
+    comps = [create(name) if name == "none" else create(name, ratio=0.2) for _ in range(workers)]
+    for rnd in range(rounds):
+        want = torch.zeros(shape)
+        answer = None
+        for w, comp in enumerate(comps):
+            p = comp.compress(_ints(shape, 100 * rnd + w), "t", rnd)
+            want += p.decompress()
+            assert answer is None
+            answer = agg.push(7, rnd, w, p)
+        assert torch.equal(answer.decompress(), want)
+        assert agg.keys[7].round == rnd + 1
+
+
+def test_bad_pushes_are_rejected_without_touching_the_sum():
+    agg = Aggregator(2)
+    dense = create("none")
+    good = dense.compress(torch.ones(4, 4), "t")
+    assert agg.push(1, 0, 0, good) is None
+    cases = [
+        ((1, 0, 0, good), "already pushed round 0"),
+        ((1, 1, 1, good), "push for round 1 of key 1, which is at round 0"),
+        ((1, 0, 5, good), "sender 5 is not a worker rank"),
+        ((1, 0, 1, dense.compress(torch.ones(4, 5), "t")), "holds torch.float32 (4, 4)"),
+        ((1, 0, 1, dense.compress(torch.ones(4, 4, dtype=torch.float16), "t")), "float16"),
+    ]
+    for args, words in cases:
+        with pytest.raises(PushRejected, match=words.replace("(", r"\(").replace(")", r"\)")):
+            agg.push(*args)
+    answer = agg.push(1, 0, 1, dense.compress(torch.full((4, 4), 2.0), "t"))
+    assert torch.equal(answer.decompress(), torch.full((4, 4), 3.0))
+
+
+def test_answer_survives_the_next_round_starting():
+    agg = Aggregator(2)
+    dense = create("none")
+    agg.push(1, 0, 0, dense.compress(torch.ones(300), "t"))
+    first = agg.push(1, 0, 1, dense.compress(torch.ones(300), "t"))
+    assert first.codec == "dense"
+    agg.push(1, 1, 0, dense.compress(torch.full((300,), 5.0), "t"))  # round 1 begins
+    assert torch.equal(first.decompress(), torch.full((300,), 2.0))
+
+
+def test_hybrid_picks_the_smaller_encoding():
+    sparse = torch.zeros(1000)
+    sparse[[3, 500, 999]] = 1.0
+    p = hybrid(sparse)
+    assert p.codec == "coo" and p.count == 3
+    assert p.nbytes < Payload("dense", (1000,), torch.float32, sparse).nbytes
+    full = torch.ones(1000)
+    assert hybrid(full).codec == "dense"
+    # at the break-even point (value + uint16 index = 6 bytes vs 4 dense) dense wins
+    half = torch.zeros(1000)
+    half[:667] = 1.0
+    assert hybrid(half).codec == "dense"
+    half[666] = 0.0
+    assert hybrid(half).codec == "coo"
+
+
+def test_server_resparsification_keeps_a_residual():
+    agg = Aggregator(2, resparsify=create("topk", ratio=0.1))
+    comps = [create("adtopk", ratio=0.5) for _ in range(2)]
+    grads = [_ints((10, 20), s) for s in range(2)]
+    total = torch.zeros(10, 20)
+    answer = None
+    for w in range(2):
+        p = comps[w].compress(grads[w], "t")
+        total += p.decompress()
+        answer = agg.push(3, 0, w, p)
+    assert answer.codec == "coo" and answer.count == 20
+    residual = agg.resparsify.memory.residuals["key3"]
+    assert torch.equal(answer.decompress() + residual, total)
+
+
+def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
+    dense = create("none")
+    agg = Aggregator(1, max_keys=2)
+    agg.push(1, 0, 0, dense.compress(torch.ones(3), "a"))
+    agg.push(2, 0, 0, dense.compress(torch.ones(3), "b"))
+    with pytest.raises(PushRejected, match="limit of 2 keys"):
+        agg.push(3, 0, 0, dense.compress(torch.ones(3), "c"))
+    small = Aggregator(1, max_bytes=1000)
+    with pytest.raises(PushRejected, match="needs 8000 bytes"):
+        small.push(1, 0, 0, dense.compress(torch.ones(1000), "a"))

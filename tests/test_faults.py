@@ -1,0 +1,59 @@
+"""A dead peer ends the job with a clear error within seconds, and nothing is left behind."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from procs import FAST
+
+
+def _alive_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes().decode(errors="ignore"):
+                pids.append(int(proc.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_worker_killed_mid_round_ends_the_job_with_a_named_error():
+    marker = str(random.randint(10**8, 10**9))
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
+           "--num-servers", "2", "--timeout", "100", "--", sys.executable, "-m", "worker.selfcheck",
+           "--rounds", "1000", "--sleep", "0.05", "--seed", marker]
+    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    lines, victim = [], None
+    try:
+        deadline = time.monotonic() + 90
+        for line in launcher.stdout:
+            lines.append(line)
+            found = re.search(r"\[worker 1\] worker 1/3 pid=(\d+)", line)
+            if found:
+                victim = int(found.group(1))
+            if victim and "[worker 1] worker 1: round 3 ok" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines[-20:])
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        rest, _ = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    out = "".join(lines) + rest
+    assert launcher.returncode == 137, out[-3000:]  # the first failure: worker 1, SIGKILL
+    # the bound: heartbeat timeout (2 s here) plus the launcher's grace for stragglers
+    assert elapsed < 2 + 5 + 5, elapsed
+    named = r"worker 1 \(127\.0\.0\.1\) lost: no heartbeat for [\d.]+ s"
+    for role in ("worker 0", "worker 2", "server 0", "server 1", "scheduler"):
+        assert re.search(rf"\[{role}\] .*{named}", out), (role, out[-3000:])
+    for role in ("worker 0", "worker 2"):
+        assert f"[bpslaunch] killing {role}" not in out  # they ended on their own
+    assert _alive_with(marker) == []

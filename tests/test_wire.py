@@ -1,0 +1,120 @@
+"""The wire decoder: round trips, named errors, and fuzzing with random and mutated frames."""
+import msgpack
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from adtopk_ps import wire
+from adtopk_ps.compression import create
+
+
+def _push(name="adtopk", shape=(8, 50)):
+    params = {} if name == "none" else {"ratio": 0.1}
+    p = create(name, **params).compress(torch.randn(shape), "w", 2)
+    return p, [bytes(f) for f in wire.encode("push", key=(3 << 16) + 1, round=7, sender=1, payload=p)]
+
+
+@pytest.mark.parametrize("name", ["none", "topk", "adtopk", "randomk"])
+def test_push_round_trips(name):
+    p, frames = _push(name)
+    msg = wire.decode(frames)
+    assert (msg.op, msg.key, msg.round, msg.sender) == ("push", (3 << 16) + 1, 7, 1)
+    assert torch.equal(msg.payload.decompress(), p.decompress())
+    header = msgpack.unpackb(frames[0])
+    assert header["v"] == wire.PROTOCOL and header["codec"] == p.codec
+    assert all(not isinstance(v, (bytes, float)) for v in header.values())  # no data in msgpack
+
+
+def test_control_message_round_trips():
+    msg = wire.decode(wire.encode("register", role="server", host="10.0.0.1", port=9000))
+    assert msg.op == "register" and msg.payload is None
+    assert msg.extra == {"role": "server", "host": "10.0.0.1", "port": 9000}
+
+
+def _header(frames, **changes):
+    h = msgpack.unpackb(frames[0])
+    h.update(changes)
+    return [msgpack.packb({k: v for k, v in h.items() if v is not None}), *frames[1:]]
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"v": 99}, "protocol version 99 is not supported"),
+    ({"v": None}, "'v' must be int"),
+    ({"op": "explode"}, "unknown op 'explode'"),
+    ({"key": -1}, "'key' = -1 is out of range"),
+    ({"round": "3"}, "'round' must be int"),
+    ({"sender": True}, "'sender' must be int"),
+    ({"vdtype": "object"}, "vdtype 'object' not allowed"),
+    ({"count": 10**6}, "count 1000000 outside"),
+    ({"shape": [8, 50, 10**9]}, "exceeds the limit"),
+])
+def test_bad_headers_are_named(changes, words):
+    _, frames = _push()
+    with pytest.raises(wire.WireError) as err:
+        wire.decode(_header(frames, **changes))
+    assert words in str(err.value)
+
+
+def test_structural_errors():
+    _, frames = _push()
+    with pytest.raises(wire.WireError, match="empty message"):
+        wire.decode([])
+    with pytest.raises(wire.WireError, match="not valid msgpack"):
+        wire.decode([b"\xc1\xc1", *frames[1:]])
+    with pytest.raises(wire.WireError, match="exceeds the limit of 100"):
+        wire.decode(frames, max_bytes=100)
+    with pytest.raises(wire.WireError, match="carries no tensor"):
+        wire.decode([wire.encode("heartbeat")[0], b"x"])
+    with pytest.raises(wire.WireError, match="indices frame has"):
+        wire.decode([frames[0], frames[1], frames[2][:-1]])
+    with pytest.raises(ValueError, match="clash"):
+        wire.encode("register", codec="x")
+
+
+def _mutate(data, raw: bytes) -> bytes:
+    raw = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 3))):
+        op = data.draw(st.sampled_from(["flip", "cut", "grow"]))
+        if op == "flip" and raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+        elif op == "cut" and raw:
+            del raw[data.draw(st.integers(0, len(raw) - 1)):]
+        else:
+            raw += data.draw(st.binary(min_size=1, max_size=16))
+    return bytes(raw)
+
+
+@given(st.sampled_from(["none", "topk", "adtopk", "randomk"]), st.data())
+def test_mutated_frames_decode_correctly_or_raise_wire_error(name, data):
+    _, frames = _push(name)
+    which = data.draw(st.integers(0, len(frames) - 1))
+    frames[which] = _mutate(data, frames[which])
+    if data.draw(st.booleans()):
+        frames = frames[:data.draw(st.integers(0, len(frames)))]
+    try:
+        msg = wire.decode(frames)
+    except wire.WireError:
+        return
+    if msg.payload is not None:  # what decodes is self-consistent and safe to use
+        assert tuple(msg.payload.decompress().shape) == msg.payload.shape
+
+
+@given(st.lists(st.binary(max_size=80), max_size=4))
+def test_random_frames_raise_only_wire_error(frames):
+    try:
+        wire.decode(frames)
+    except wire.WireError:
+        pass
+
+
+@given(st.dictionaries(st.sampled_from(["v", "op", "key", "round", "sender", "codec", "shape",
+                                        "dtype", "vdtype", "count", "idtype", "view", "k", "seed",
+                                        "extra"]),
+                       st.one_of(st.integers(-2, 2**40), st.text(max_size=8), st.none(),
+                                 st.lists(st.integers(-1, 70), max_size=4), st.booleans())),
+       st.lists(st.binary(max_size=64), max_size=3))
+def test_random_headers_raise_only_wire_error(header, buffers):
+    try:
+        wire.decode([msgpack.packb(header), *buffers])
+    except wire.WireError:
+        pass
