@@ -3,8 +3,13 @@
 ``push_pull`` returns at once with a handle. One background engine thread
 owns every socket: it compresses queued tensors in priority order (later
 layers, whose gradients the backward pass produces first, go first), splits
-them into keys, keeps several keys in flight on one DEALER per server, and
-writes each answer into the handle's output as it arrives.
+them into keys, sends each key as soon as it is encoded (many keys in flight
+on one DEALER per server), and writes each answer into the handle's output
+as it arrives.
+
+Keys are never held back for credit: under BSP a round completes only when
+every worker has pushed it, so if workers held back different keys (their
+queues need not be in the same order) each would wait for the others.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from . import wire
 from .cluster import ClusterConfig, make_key, partition_rows, server_of
 from .compression import Compressor, Dense
 from .env import env_int
-from .transport import ClusterError, SchedulerLink, make_socket, register_timeout, send
+from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
 
 log = logging.getLogger("adtopk_ps.client")
 
@@ -50,7 +55,7 @@ class Handle:
     def __init__(self, client: "PSClient", name: str, out: torch.Tensor, parts: int, average: bool):
         self.name, self.out, self.average = name, out, average
         self._client = client
-        self._left = parts
+        self.parts = self._left = parts
         self._event = threading.Event()
         self._error: BaseException | None = None
         self.completed_at: float | None = None  # time.monotonic() when the answer was complete
@@ -70,7 +75,7 @@ class Handle:
     def _part_done(self) -> None:
         self._left -= 1
         if self._left == 0:
-            if self.average:
+            if self.average and self._client.size > 1:
                 self.out.div_(self._client.size)
             self.completed_at = time.monotonic()
             self._event.set()
@@ -114,7 +119,6 @@ class PSClient:
     def __init__(self, config: ClusterConfig | None = None, ctx: zmq.Context | None = None):
         self.config = config or ClusterConfig.from_env(role="worker")
         self.timeout = float(env_int("PS_PUSH_PULL_TIMEOUT_S", 600, minimum=1))
-        self.credit = env_int("BYTEPS_SCHEDULING_CREDIT", 8, minimum=1)
         self.ctx = ctx or zmq.Context.instance()
         self.rank, self.size = -1, self.config.num_workers
         self.servers: list[str] = []
@@ -199,6 +203,15 @@ class PSClient:
             except zmq.Again:  # a wake-up is already queued, or the engine has stopped
                 pass
 
+    def declare(self, name: str, tensor: torch.Tensor) -> int:
+        """Give ``name`` its tensor id now; every worker must declare in the same order.
+
+        A tensor first pushed without a declaration is declared then, so
+        workers whose first pushes come in different orders must declare
+        up front (the torch integration declares every parameter at start).
+        """
+        return self._declare(name, tensor).id
+
     def _declare(self, name: str, tensor: torch.Tensor) -> _Tensor:
         meta = self._tensors.get(name)
         shape = tuple(tensor.shape)
@@ -246,8 +259,6 @@ class PSClient:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
         self._inflight: dict[int, _Part] = {}
-        self._pending: list[list[tuple[int, int, int, list]]] = [[] for _ in servers]
-        self._busy = [0] * len(servers)
         barriers: list[tuple[int, threading.Event]] = []
         barrier_seq = 0
         finishing = False
@@ -260,7 +271,8 @@ class PSClient:
                     while self._wake_in.poll(0):
                         self._wake_in.recv()
                 else:
-                    self._on_answer(which[sock], sock.recv_multipart(copy=False))
+                    for frames in drain(sock):
+                        self._on_answer(which[sock], frames)
             with self._lock:
                 commands, self._commands = self._commands, []
             for op, event in commands:
@@ -283,16 +295,11 @@ class PSClient:
         while True:
             with self._lock:
                 if not self._jobs:
-                    break
+                    return
                 job = heapq.heappop(self._jobs)
-            self._compress(job)
-        for s, queue in enumerate(self._pending):
-            while queue and self._busy[s] < self.credit:
-                _, _, key, frames = heapq.heappop(queue)
-                send(servers[s], frames)
-                self._busy[s] += 1
+            self._send_job(job, servers)
 
-    def _compress(self, job: _Job) -> None:
+    def _send_job(self, job: _Job, servers: list[zmq.Socket]) -> None:
         meta = job.meta
         parts = split(job.tensor, meta.blocks)
         outs = split(job.handle.out, meta.blocks)
@@ -303,11 +310,9 @@ class PSClient:
             frames = wire.encode("push", key=key, round=rnd, sender=self.rank, payload=payload)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
             self._inflight[key] = _Part(job.handle, out, rnd)
-            s = server_of(key, len(self._pending))
-            heapq.heappush(self._pending[s], (job.priority, next(self._seq), key, frames))
+            send(servers[server_of(key, len(servers))], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
-        self._busy[server] -= 1
         self.bytes_pulled += sum(memoryview(f).nbytes for f in frames)
         try:
             msg = wire.decode(frames)
@@ -324,8 +329,13 @@ class PSClient:
         if msg.op != "result" or msg.payload.shape != tuple(part.view.shape):
             raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
                                f"of the wrong shape")
-        part.view.copy_(msg.payload.decompress())
-        part.handle._part_done()
+        handle, payload = part.handle, msg.payload
+        if handle.parts == 1 and payload.codec == "dense" and payload.values.dtype == handle.out.dtype \
+                and handle.out.device.type == "cpu":
+            handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy
+        else:
+            payload.write_into(part.view)
+        handle._part_done()
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -38,6 +38,15 @@ def send(sock: zmq.Socket, frames: list, identity: bytes | None = None) -> None:
     sock.send_multipart(frames, copy=False)
 
 
+def drain(sock: zmq.Socket, limit: int = 64):
+    """Messages already waiting on a socket, up to ``limit``, without blocking."""
+    for _ in range(limit):
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
+
+
 class SchedulerLink:
     """A node's DEALER to the scheduler, and what the scheduler tells it."""
 

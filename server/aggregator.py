@@ -5,10 +5,13 @@ it in place, with no dense expansion per push. The answer to the round is
 whichever encoding of the sum is smaller: the sparse union or the dense
 tensor, or (optionally) a top-k re-sparsification with a server residual.
 
-Each key has two buffers used in alternate rounds. A dense answer is sent
-straight from its buffer without a copy, and round r+2, the next one to
-touch that buffer, cannot start before every worker has received round r's
-answer (each worker pushes round r+1 only after that).
+A dense first push that arrived over the wire becomes the round's buffer
+itself (its memory is the received frame's), so dense keys cost no copy.
+Otherwise the round sums into one of two preallocated buffers used in
+alternate rounds: a dense answer is sent straight from its buffer, and
+round r+2, the next one to touch that buffer, cannot start before every
+worker has received round r's answer (each worker pushes round r+1 only
+after that).
 """
 from __future__ import annotations
 
@@ -29,26 +32,41 @@ class KeyState:
     shape: tuple[int, ...]
     dtype: torch.dtype
     sparse: bool
-    buffers: tuple[torch.Tensor, torch.Tensor]
     round: int = 0
     pushed: set[int] = field(default_factory=set)
+    union_bound: int = 0  # values pushed this round: the sparse union is at most this many
+    current: torch.Tensor | None = None  # the sum of the round in progress
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # allocated on first need
 
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self.buffers[self.round % 2]
+    def start_round(self, payload: Payload, owned: bool) -> None:
+        vals = payload.values
+        if owned and payload.codec == "dense" and vals.dtype == self.dtype and vals.is_contiguous():
+            self.current = vals.view(self.shape)
+            return
+        if self.buffers is None:
+            self.buffers = (torch.empty(self.shape, dtype=self.dtype),
+                            torch.empty(self.shape, dtype=self.dtype))
+        self.current = payload.write_into(self.buffers[self.round % 2])
 
 
-def hybrid(aggregate: torch.Tensor) -> Payload:
-    """The smaller of the sparse union and the dense tensor."""
+def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
+    """The smaller of the sparse union and the dense tensor.
+
+    ``union_bound`` (how many values were pushed) spares the scan for the
+    union when even that many could not beat the dense encoding.
+    """
     flat = aggregate.view(-1)
-    positions = torch.nonzero(flat).view(-1)
     idtype = index_dtype(flat.numel())
     itemsize = aggregate.element_size()
-    sparse_bytes = positions.numel() * (itemsize + torch.empty(0, dtype=idtype).element_size())
-    if sparse_bytes < flat.numel() * itemsize:
-        return Payload("coo", tuple(aggregate.shape), aggregate.dtype, flat[positions],
-                       positions.to(idtype))
-    return Payload("dense", tuple(aggregate.shape), aggregate.dtype, flat)
+    per_entry = itemsize + torch.empty(0, dtype=idtype).element_size()
+    dense = Payload("dense", tuple(aggregate.shape), aggregate.dtype, flat)
+    if union_bound is not None and union_bound * per_entry >= flat.numel() * itemsize:
+        return dense
+    if int(torch.count_nonzero(flat)) * per_entry >= flat.numel() * itemsize:
+        return dense
+    positions = torch.nonzero(flat).view(-1)
+    return Payload("coo", tuple(aggregate.shape), aggregate.dtype, flat[positions],
+                   positions.to(idtype))
 
 
 class Aggregator:
@@ -62,8 +80,13 @@ class Aggregator:
         self.keys: dict[int, KeyState] = {}
         self.bytes_held = 0
 
-    def push(self, key: int, round: int, sender: int, payload: Payload) -> Payload | None:
-        """Add one worker's push; returns the round's answer when it completes."""
+    def push(self, key: int, round: int, sender: int, payload: Payload,
+             owned: bool = False) -> Payload | None:
+        """Add one worker's push; returns the round's answer when it completes.
+
+        ``owned``: the payload's memory belongs to the server (it was decoded
+        from the wire), so a dense first push may become the round's sum.
+        """
         if not 0 <= sender < self.num_workers:
             raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
         state = self.keys.get(key)
@@ -76,10 +99,12 @@ class Aggregator:
             raise PushRejected(f"push for round {round} of key {key}, which is at round {state.round}")
         if sender in state.pushed:
             raise PushRejected(f"worker {sender} already pushed round {round} of key {key}")
-        buffer = state.buffer
-        if not state.pushed:
-            buffer.zero_()
-        payload.accumulate_into(buffer)
+        if state.pushed:
+            payload.accumulate_into(state.current)
+        else:
+            state.start_round(payload, owned)
+            state.union_bound = 0
+        state.union_bound += payload.count
         state.pushed.add(sender)
         if len(state.pushed) < self.num_workers:
             return None
@@ -94,15 +119,13 @@ class Aggregator:
         if self.bytes_held + nbytes > self.max_bytes:
             raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
                                f"of its {self.max_bytes} byte limit")
-        buffers = tuple(torch.zeros(payload.shape, dtype=payload.dtype) for _ in range(2))
         self.bytes_held += nbytes
-        state = self.keys[key] = KeyState(payload.shape, payload.dtype, payload.codec != "dense",
-                                          buffers)
+        state = self.keys[key] = KeyState(payload.shape, payload.dtype, payload.codec != "dense")
         return state
 
     def _answer(self, key: int, state: KeyState, round: int) -> Payload:
-        aggregate = state.buffers[round % 2]
+        aggregate, state.current = state.current, None
         comp = self.resparsify
         if comp is None or not state.sparse or (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
-            return hybrid(aggregate)
+            return hybrid(aggregate, state.union_bound)
         return comp.compress(aggregate, f"key{key}", round)

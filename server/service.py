@@ -19,7 +19,7 @@ from adtopk_ps import wire
 from adtopk_ps.cluster import ClusterConfig
 from adtopk_ps.compression import Compressor, create
 from adtopk_ps.env import env_int
-from adtopk_ps.transport import ClusterError, SchedulerLink, make_socket, send
+from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket, send
 
 from .aggregator import Aggregator, PushRejected
 
@@ -79,8 +79,8 @@ class Server:
                     if sock is self.link.sock:
                         self.link.handle(self.link.sock.recv_multipart(copy=False))
                     else:
-                        identity, *frames = self.data.recv_multipart(copy=False)
-                        self.on_push(identity.bytes, frames)
+                        for identity, *frames in drain(self.data):
+                            self.on_push(identity.bytes, frames)
                 self.link.tick()
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
@@ -100,7 +100,7 @@ class Server:
                 raise PushRejected(f"op {msg.op!r} is not served here; send push")
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
-            answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload)
+            answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True)
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
         except (wire.WireError, PushRejected) as exc:
             self.rejected += 1

@@ -100,3 +100,15 @@ def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
     small = Aggregator(1, max_bytes=1000)
     with pytest.raises(PushRejected, match="needs 8000 bytes"):
         small.push(1, 0, 0, dense.compress(torch.ones(1000), "a"))
+
+
+def test_server_compressor_comes_from_the_environment(monkeypatch):
+    from server.service import resparsifier_from_env
+    monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "topk:0.05")
+    comp = resparsifier_from_env()
+    assert comp.name == "topk" and comp.ratio == 0.05
+    monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "zstd")
+    with pytest.raises(ValueError, match="BYTEPS_SERVER_COMPRESSOR='zstd': unknown compressor"):
+        resparsifier_from_env()
+    monkeypatch.delenv("BYTEPS_SERVER_COMPRESSOR")
+    assert resparsifier_from_env() is None

@@ -36,3 +36,9 @@ def test_4x3_adtopk_with_error_feedback():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_precision_gradients(dtype):
     _passed(selfcheck(2, 1, "--compressor", "adtopk-i", "--dtype", dtype, "--rounds", "4"), 2)
+
+
+def test_workers_pushing_in_different_orders_do_not_deadlock():
+    shapes = [f"{8 + i}x{100 + 13 * i}" for i in range(40)]
+    _passed(selfcheck(3, 2, "--compressor", "topk", "--ef", "--rounds", "6", "--shuffle",
+                      "--shapes", *shapes), 3)

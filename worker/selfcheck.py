@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -63,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each round")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="push the tensors in a different random order on every worker and round")
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes]
     dtype = DTYPES[args.dtype]
@@ -74,11 +77,17 @@ def main(argv: list[str] | None = None) -> int:
     # a twin of every worker's compressor, so each worker can predict the sum
     twins = [make_compressor(args) for _ in range(size)]
     names = [f"t{i}" for i in range(len(shapes))]
+    for name, shape in zip(names, shapes):
+        client.declare(name, torch.empty(shape, dtype=dtype))
     start = time.perf_counter()
     try:
+        order = list(range(len(shapes)))
         for rnd in range(args.rounds):
+            if args.shuffle:
+                random.Random(rank * 7919 + rnd).shuffle(order)
             handles = []
-            for i, (name, shape) in enumerate(zip(names, shapes)):
+            for i in order:
+                name, shape = names[i], shapes[i]
                 grads = [gradient(shape, dtype, w, rnd, i, args.seed) for w in range(size)]
                 # dense tensors and the 1-D ones go dense, as the policy would send them
                 comp = mine if len(shape) >= 2 else create("none")

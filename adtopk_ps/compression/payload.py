@@ -193,22 +193,32 @@ class Payload:
 
     def accumulate_into(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """``out += alpha * decompress(self)`` in place, without a dense expansion."""
-        if tuple(out.shape) != self.shape:
-            raise PayloadError(f"payload shape {self.shape} does not match buffer {tuple(out.shape)}")
-        vals = self.values.to(out.dtype)
+        self._check_target(out)
+        vals = self.values.to(device=out.device, dtype=out.dtype)
         if alpha != 1.0:
             vals = vals * alpha
         if self.codec == "dense":
             out.add_(vals.view(self.shape))
         elif self.codec == "fibre":
-            out.view(self.view).scatter_add_(1, self.positions(), vals)
+            out.view(self.view).scatter_add_(1, self.positions().to(out.device), vals)
         else:
-            out.view(-1).scatter_add_(0, self.positions(), vals)
+            out.view(-1).scatter_add_(0, self.positions().to(out.device), vals)
         return out
 
+    def write_into(self, out: torch.Tensor) -> torch.Tensor:
+        """``out[:] = decompress(self)``, on ``out``'s device, with one pass for dense payloads."""
+        self._check_target(out)
+        if self.codec == "dense":
+            return out.copy_(self.values.view(self.shape))
+        return self.accumulate_into(out.zero_())
+
+    def _check_target(self, out: torch.Tensor) -> None:
+        if tuple(out.shape) != self.shape:
+            raise PayloadError(f"payload shape {self.shape} does not match buffer {tuple(out.shape)}")
+
     def decompress(self) -> torch.Tensor:
-        out = torch.zeros(self.shape, dtype=self.dtype, device=self.values.device)
-        return self.accumulate_into(out)
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.values.device)
+        return self.write_into(out)
 
 
 def _buffer_nbytes(t: torch.Tensor) -> int:
@@ -216,10 +226,11 @@ def _buffer_nbytes(t: torch.Tensor) -> int:
 
 
 def _as_buffer(t: torch.Tensor) -> memoryview:
-    """Zero-copy view of a tensor's bytes (after one move to CPU if needed)."""
+    """Zero-copy view of a tensor's bytes; a GPU tensor is staged once in pinned memory."""
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.to("cpu")
+        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        t = staging.copy_(t)
     t = t.contiguous().view(-1)
     return memoryview(t.view(torch.uint8).numpy())
 

@@ -1,0 +1,67 @@
+"""The worker client against real scheduler and server processes."""
+import dataclasses
+import threading
+
+import pytest
+import torch
+
+from adtopk_ps.client import PSClient, PushPullError
+from adtopk_ps.compression import create
+
+from procs import roles
+
+
+@pytest.fixture
+def client():
+    with roles(1, 1) as (config, _):
+        c = PSClient(config)
+        yield c
+        c.shutdown()
+
+
+def test_later_layers_go_first_when_keys_queue_up(client):
+    # the first tensor is slow to compress; the three declared after it queue up
+    # behind it, and the engine takes the latest-declared first
+    slow = client.push_pull(torch.randn(4096, 4096), "first", create("adtopk", ratio=0.01))
+    handles = [client.push_pull(torch.full((10,), float(i)), f"layer{i}") for i in range(3)]
+    for h in [slow, *handles]:
+        h.wait(60)
+    order = sorted(handles, key=lambda h: h.completed_at)
+    assert [h.name for h in order] == ["layer2", "layer1", "layer0"]
+
+
+def test_average_and_sum_and_declared_shapes(client):
+    x = torch.arange(12.0).view(3, 4)
+    assert torch.equal(client.push_pull(x, "x").wait(10), x)  # one worker: the mean is x
+    assert torch.equal(client.push_pull(x, "x", average=False).wait(10), x)
+    with pytest.raises(ValueError, match=r"declared as torch.float32 \(3, 4\)"):
+        client.push_pull(torch.zeros(4, 3), "x")
+
+
+def test_overlapping_pushes_of_one_name_are_refused():
+    with roles(2, 1) as (config, _):
+        clients = [None, None]
+
+        def start(i):
+            clients[i] = PSClient(dataclasses.replace(config, worker_id=i))
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        first = clients[0].push_pull(torch.ones(8, 8), "w")  # waits for worker 1's push
+        with pytest.raises(ValueError, match="still in flight"):
+            clients[0].push_pull(torch.ones(8, 8), "w")
+        other = clients[1].push_pull(torch.full((8, 8), 3.0), "w")
+        assert torch.equal(first.wait(30), torch.full((8, 8), 2.0))
+        assert torch.equal(other.wait(30), torch.full((8, 8), 2.0))
+        for c in clients:
+            c.shutdown()
+
+
+def test_a_refused_push_fails_its_handle_with_the_servers_reason(client):
+    client.push_pull(torch.zeros(4, 4), "a").wait(10)
+    client._rounds[0] = 5  # desynchronise the key's round, as a buggy worker would
+    handle = client.push_pull(torch.zeros(4, 4), "a")
+    with pytest.raises(PushPullError, match="push for round 5 of key 0, which is at round 1"):
+        handle.wait(10)
