@@ -104,6 +104,7 @@ class _Job:
     meta: _Tensor = field(compare=False)
     compressor: Compressor = field(compare=False)
     step: int = field(compare=False)
+    ratio: float | None = field(compare=False)
 
 
 @dataclass
@@ -123,6 +124,7 @@ class PSClient:
         self.rank, self.size = -1, self.config.num_workers
         self.servers: list[str] = []
         self.bytes_pushed = self.bytes_pulled = 0
+        self.compress_seconds = 0.0
         self._tensors: dict[str, _Tensor] = {}
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
@@ -148,8 +150,13 @@ class PSClient:
     # --- the caller's side -------------------------------------------------
 
     def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
-                  average: bool = True, priority: int | None = None) -> Handle:
-        """Start summing ``tensor`` across workers; do not modify it until the handle is done."""
+                  average: bool = True, priority: int | None = None,
+                  ratio: float | None = None) -> Handle:
+        """Start summing ``tensor`` across workers; do not modify it until the handle is done.
+
+        ``ratio`` overrides the compressor's density for this tensor (the
+        partial-sparsification policy's per-layer choice).
+        """
         self._check()
         meta = self._declare(name, tensor)
         last = self._last.get(name)
@@ -160,7 +167,7 @@ class PSClient:
         out = torch.empty(meta.shape, dtype=meta.dtype, device=tensor.device)
         handle = self._last[name] = Handle(self, name, out, len(meta.keys), average)
         job = _Job(-meta.id if priority is None else priority, next(self._seq), handle,
-                   tensor.detach(), meta, compressor or Dense(), step)
+                   tensor.detach(), meta, compressor or Dense(), step, ratio)
         with self._lock:
             heapq.heappush(self._jobs, job)
         self._poke()
@@ -304,7 +311,10 @@ class PSClient:
         parts = split(job.tensor, meta.blocks)
         outs = split(job.handle.out, meta.blocks)
         for index, (part, out, key) in enumerate(zip(parts, outs, meta.keys)):
-            payload = job.compressor.compress(part, part_name(job.handle.name, index), job.step)
+            started = time.perf_counter()
+            payload = job.compressor.compress(part, part_name(job.handle.name, index), job.step,
+                                              job.ratio)
+            self.compress_seconds += time.perf_counter() - started
             rnd = self._rounds.get(key, 0)
             self._rounds[key] = rnd + 1
             frames = wire.encode("push", key=key, round=rnd, sender=self.rank, payload=payload)

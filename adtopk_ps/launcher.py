@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -39,9 +40,23 @@ class Child:
         self._pump.start()
 
     def _copy(self, lock: threading.Lock) -> None:
-        for raw in iter(self.proc.stdout.readline, b""):
+        """Line by line, where a carriage return (a progress bar's update) also ends a line."""
+        pending = b""
+        fd = self.proc.stdout.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            pending += chunk
+            *lines, pending = re.split(rb"[\r\n]", pending)
+            self._write(lock, lines)
+        self._write(lock, [pending])
+
+    def _write(self, lock: threading.Lock, lines: list[bytes]) -> None:
+        text = "".join(f"[{self.label}] {line.decode(errors='replace')}\n" for line in lines if line)
+        if text:
             with lock:
-                sys.stdout.write(f"[{self.label}] {raw.decode(errors='replace')}")
+                sys.stdout.write(text)
                 sys.stdout.flush()
 
     def status(self) -> int | None:

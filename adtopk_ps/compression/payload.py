@@ -171,10 +171,11 @@ class Payload:
             values, indices = values.view(vshape), indices.view(vshape)
         payload = cls(spec["codec"], tuple(spec["shape"]), spec["dtype"], values, indices,
                       tuple(view) if view is not None else None, spec.get("seed"))
-        payload._check_indices()
+        payload.check_indices()
         return payload
 
-    def _check_indices(self) -> None:
+    def check_indices(self) -> None:
+        """Refuse positions outside the tensor (what a peer sent is not trusted)."""
         if self.indices is None or self.indices.numel() == 0:
             return
         bound = self.view[1] if self.codec == "fibre" else self.numel

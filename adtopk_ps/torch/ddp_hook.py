@@ -1,0 +1,136 @@
+"""The same compressors on torch.distributed, as a DDP communication hook.
+
+    state = ADTopkHookState(model, {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+    model.register_comm_hook(state, adtopk_hook)
+
+Hybrid communication, as in the paper: the bucket's dense tensors (those
+the partial-sparsification policy keeps dense) are summed with one
+all_reduce; the sparse payloads of the rest are packed into one byte buffer
+per rank and exchanged with one all_gather, then every rank sums all ranks'
+payloads into its bucket with ``scatter_add_``. The byte packing keeps the
+uint8/uint16 indices compact and works on every backend (gloo, NCCL).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..compression import Compressor, Payload
+from .optimizer import GradientCompression
+
+_ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret cleanly
+
+
+class ADTopkHookState:
+    def __init__(self, model: torch.nn.Module, compression: Compressor | str | Mapping | GradientCompression,
+                 process_group: dist.ProcessGroup | None = None):
+        self.compression = compression if isinstance(compression, GradientCompression) \
+            else GradientCompression(compression)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.compression.plan(named)
+        self.names = {id(p): n for n, p in named}
+        self.process_group = process_group
+        self.steps: dict[str, int] = {}
+
+
+def _pad(n: int) -> int:
+    return -n % _ALIGN
+
+
+def _pack(payloads: list[Payload], device: torch.device) -> torch.Tensor:
+    parts = []
+    for p in payloads:
+        for t in (p.values, p.indices):
+            if t is None:
+                continue
+            raw = t.contiguous().view(-1).view(torch.uint8)
+            parts += [raw, torch.zeros(_pad(raw.numel()), dtype=torch.uint8, device=device)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+def _unpack(blob: torch.Tensor, like: list[Payload], counts: list[int]) -> list[Payload]:
+    """Another rank's payloads, given ours as the template (same codecs, shapes, dtypes)."""
+    out, at = [], 0
+    for p, count in zip(like, counts):
+        tensors = []
+        for t in (p.values, p.indices):
+            if t is None:
+                tensors.append(None)
+                continue
+            n = count * t.element_size()
+            tensors.append(blob[at:at + n].view(t.dtype))
+            at += n + _pad(n)
+        values, indices = tensors
+        if p.codec == "fibre":
+            shape = (p.view[0], -1, *p.view[2:])
+            values, indices = values.view(shape), indices.view(shape)
+        q = Payload(p.codec, p.shape, p.dtype, values, indices, p.view, p.seed)
+        q.check_indices()
+        out.append(q)
+    return out
+
+
+def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    buffer = bucket.buffer()
+    grads = bucket.gradients()
+    dense, sparse, payloads = [], [], []
+    for p, g in zip(bucket.parameters(), grads):
+        name = state.names[id(p)]
+        comp, ratio = state.compression.for_tensor(name)
+        if comp is None:
+            dense.append(g)
+            continue
+        step = state.steps.get(name, 0)
+        state.steps[name] = step + 1
+        sparse.append(g)
+        payloads.append(comp.compress(g, name, step, ratio))
+
+    futures = []
+    flat_dense = torch.cat([g.reshape(-1) for g in dense]) if dense else None
+    if flat_dense is not None:
+        futures.append(dist.all_reduce(flat_dense, group=group, async_op=True).get_future())
+    gathered: list[torch.Tensor] = []
+    all_counts: list[list[int]] = []
+    if payloads:
+        counts = torch.tensor([p.count for p in payloads], dtype=torch.int64, device=buffer.device)
+        count_lists = [torch.empty_like(counts) for _ in range(world)]
+        dist.all_gather(count_lists, counts, group=group)  # variable-size payloads need this
+        all_counts = [c.tolist() for c in count_lists]
+        local = _pack(payloads, buffer.device)
+        longest = max(_packed_size(payloads, c) for c in all_counts)
+        local = torch.cat([local, local.new_zeros(longest - local.numel())])
+        gathered = [torch.empty_like(local) for _ in range(world)]
+        futures.append(dist.all_gather(gathered, local, group=group, async_op=True).get_future())
+
+    def finish(_) -> torch.Tensor:
+        if flat_dense is not None:
+            flat_dense.div_(world)
+            at = 0
+            for g in dense:
+                g.copy_(flat_dense[at:at + g.numel()].view_as(g))
+                at += g.numel()
+        for g in sparse:
+            g.zero_()
+        for blob, counts in zip(gathered, all_counts):
+            for g, q in zip(sparse, _unpack(blob, payloads, counts)):
+                q.accumulate_into(g)
+        for g in sparse:
+            g.div_(world)
+        return buffer
+
+    return torch.futures.collect_all(futures).then(finish)
+
+
+def _packed_size(like: list[Payload], counts: list[int]) -> int:
+    size = 0
+    for p, count in zip(like, counts):
+        for t in (p.values, p.indices):
+            if t is not None:
+                n = count * t.element_size()
+                size += n + _pad(n)
+    return size

@@ -1,0 +1,167 @@
+"""DistributedOptimizer: gradients leave for the servers as soon as backward produces them.
+
+A hook on every parameter starts its compress + push as soon as its gradient
+has been accumulated, so communication overlaps the rest of the backward
+pass. ``step()`` waits for the answers, writes the averaged gradients into
+``p.grad`` and then runs the wrapped optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Mapping
+
+import torch
+
+from ..client import Handle
+from ..compression import Compressor, Route, SparsificationPolicy, create
+from .runtime import client
+
+
+class GradientCompression:
+    """One compressor plus the policy that says which tensors it gets, and at what density."""
+
+    def __init__(self, compression: Compressor | str | Mapping | None = None,
+                 policy: SparsificationPolicy | None = None):
+        if compression is None or compression == "none":
+            self.compressor = None
+        elif isinstance(compression, Compressor):
+            self.compressor = compression
+        else:
+            self.compressor = create(compression)
+        ratio = self.compressor.ratio if self.compressor is not None else 1.0
+        self.policy = policy or SparsificationPolicy(ratio)
+        self.routes: dict[str, Route] = {}
+
+    def plan(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.routes = self.policy.plan(named)
+
+    def for_tensor(self, name: str) -> tuple[Compressor | None, float | None]:
+        route = self.routes[name]
+        if self.compressor is None or route.dense:
+            return None, None
+        return self.compressor, route.ratio
+
+    def state_dict(self) -> dict:
+        return self.compressor.state_dict() if self.compressor is not None else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.compressor is not None:
+            self.compressor.load_state_dict(state)
+
+
+class _Distributed:
+    """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
+
+    def _setup(self, named_parameters, compression, backward_passes_per_step: int) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        in_groups = {id(p) for group in self.param_groups for p in group["params"]}
+        if named_parameters is None:
+            named = [(f"param.{i}", p) for i, p in enumerate(
+                p for group in self.param_groups for p in group["params"])]
+        else:
+            named = [(name, p) for name, p in named_parameters if id(p) in in_groups]
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ValueError("named_parameters has duplicate names")
+        self._named = [(n, p) for n, p in named if p.requires_grad]
+        self._compression = compression if isinstance(compression, GradientCompression) \
+            else GradientCompression(compression)
+        self._compression.plan(self._named)
+        self._passes_per_step = backward_passes_per_step
+        self._passes: dict[int, int] = {}
+        self._handles: dict[int, Handle] = {}
+        self._synchronized = False
+        self._skip = False
+        self._ps_steps = 0
+        c = client()
+        for name, p in self._named:
+            c.declare(name, p.detach())
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
+                       for name, p in self._named]
+
+    def _make_hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            key = id(p)
+            self._passes[key] = self._passes.get(key, 0) + 1
+            if self._passes[key] == self._passes_per_step:
+                self._start(name, p, p.grad)
+        return hook
+
+    def _start(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
+        if id(p) in self._handles:
+            raise RuntimeError(f"gradient of {name!r} pushed twice before step(); with gradient "
+                               f"accumulation set backward_passes_per_step")
+        comp, ratio = self._compression.for_tensor(name)
+        self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient; parameters that got none this step push zeros."""
+        for name, p in self._named:
+            if id(p) not in self._handles:
+                # every worker must push every key each step, or the others wait forever
+                self._start(name, p, p.grad if p.grad is not None else torch.zeros_like(p))
+        for name, p in self._named:
+            averaged = self._handles.pop(id(p)).wait()
+            if p.grad is None:
+                p.grad = averaged.to(p.dtype)
+            else:
+                p.grad.copy_(averaged)
+        self._passes.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """For a step() after a manual synchronize() (e.g. to clip gradients in between)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure=None):
+        if not self._skip:
+            self.synchronize()
+        elif not self._synchronized:
+            raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
+        self._synchronized = False
+        self._ps_steps += 1
+        return super().step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._handles:
+            raise RuntimeError("zero_grad() while gradients are in flight; call step() or "
+                               "synchronize() first")
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["adtopk_ps"] = {"compression": self._compression.state_dict(),
+                              "steps": self._ps_steps}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        ours = state_dict.pop("adtopk_ps", None)
+        super().load_state_dict(state_dict)
+        if ours is not None:
+            self._compression.load_state_dict(ours["compression"])
+            self._ps_steps = ours["steps"]
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Compressor | str | Mapping | GradientCompression | None = None,
+                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
+
+    ``compression`` is a compressor, a name, a byteps-style dict
+    (``{"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}``) or a
+    :class:`GradientCompression` with its own policy. Tensors the policy
+    sends dense (biases, norms, small layers) skip the compressor.
+    """
+    cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._setup(named_parameters, compression, backward_passes_per_step)
+    return wrapped

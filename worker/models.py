@@ -1,0 +1,92 @@
+"""Models for the training job: two that train in seconds on 2 cores, two for throughput."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, inputs: int = 64, classes: int = 10, hidden: int = 256):
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class SmallCNN(nn.Module):
+    """For 8x8 digit images: two 3x3 convolutions, then two linear layers."""
+
+    def __init__(self, channels: int = 1, classes: int = 10, side: int = 8):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * (side // 2) ** 2, 128), nn.ReLU(),
+                                  nn.Linear(128, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 for 32x32 inputs (CIFAR layout); ``width`` scales every stage."""
+
+    def __init__(self, channels: int = 3, classes: int = 10, width: int = 64):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(channels, width, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU())
+        layers, cin = [], width
+        for i, cout in enumerate((width, 2 * width, 4 * width, 8 * width)):
+            layers += [BasicBlock(cin, cout, 1 if i == 0 else 2), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
+
+
+class TransformerLM(nn.Module):
+    """A small causal Transformer language model over byte tokens."""
+
+    def __init__(self, vocab: int = 256, dim: int = 128, heads: int = 4, layers: int = 2,
+                 context: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(context, dim))
+        block = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers)
+        self.out = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context),
+                             persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        h = self.embed(tokens) + self.pos[:n]
+        return self.out(self.blocks(h, mask=self.mask[:n, :n], is_causal=True))
+
+
+def build(name: str, spec: dict) -> nn.Module:
+    models = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "transformer": TransformerLM}
+    if name not in models:
+        raise ValueError(f"unknown model {name!r}; valid: {sorted(models)}")
+    return models[name](**spec)

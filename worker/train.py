@@ -1,0 +1,174 @@
+"""The training job: one data-parallel worker of a bpslaunch cluster.
+
+    bpslaunch --local --num-workers 2 --num-servers 2 -- python -m worker --config configs/digits-cnn.yaml
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+import adtopk_ps.torch as bps
+from adtopk_ps.compression import SparsificationPolicy
+from adtopk_ps.transport import ClusterError
+
+from . import config as job_config
+from .data import Dataset, load
+from .models import build
+
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def lr_at(step: int, total: int, base: float, schedule: dict) -> float:
+    """Linear warm-up, then constant, cosine or step decay."""
+    warmup = schedule.get("warmup_steps", 0)
+    if step < warmup:
+        return base * (step + 1) / warmup
+    kind = schedule.get("name", "constant")
+    if kind == "constant":
+        return base
+    if kind == "cosine":
+        progress = (step - warmup) / max(1, total - warmup)
+        return base * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    if kind == "step":
+        return base * schedule.get("gamma", 0.1) ** (step // schedule.get("every", total))
+    raise ValueError(f"unknown lr schedule {kind!r}; valid: constant, cosine, step")
+
+
+def make_optimizer(model: nn.Module, spec: dict) -> torch.optim.Optimizer:
+    spec = dict(spec)
+    name = spec.pop("name", "sgd")
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[name](model.parameters(), **spec)
+
+
+def make_compression(cfg: dict) -> bps.GradientCompression:
+    spec = cfg["compression"]
+    name = spec.get("compressor", "none") if isinstance(spec, dict) else spec
+    ratio = float(spec.get("k", spec.get("ratio", 1.0))) if isinstance(spec, dict) and name != "none" else 1.0
+    policy = SparsificationPolicy(ratio, min_compress_bytes=cfg["min_compress_bytes"], budget=cfg["budget"])
+    return bps.GradientCompression(None if name == "none" else spec, policy)
+
+
+def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(data.x_test)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), data.y_test.reshape(-1))
+        accuracy = (logits.argmax(-1) == data.y_test).float().mean()
+    model.train()
+    return float(accuracy), float(loss)
+
+
+def checksum(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def checkpoint_path(directory: str, rank: int) -> Path:
+    return Path(directory) / f"worker{rank}.pt"
+
+
+def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
+    os.replace(tmp, path)  # a crash mid-save never leaves a torn checkpoint
+
+
+def train(cfg: dict, args) -> dict:
+    torch.manual_seed(cfg["seed"])
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size)
+    model = build(cfg["model"], cfg["model_args"])
+    opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
+                                   make_compression(cfg))
+    start = 0
+    ckpt = checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
+    if ckpt is not None and ckpt.exists():
+        saved = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+        start = saved["step"]
+    else:
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        bps.broadcast_optimizer_state(opt, root_rank=0)
+    batch = cfg["batch_size"]
+    total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
+    base_lr = cfg["optimizer"].get("lr", 0.01)
+    log = open(cfg["metrics"], "a") if cfg["metrics"] and rank == 0 else None
+    client = bps.client()
+    bar = tqdm(total=total, initial=start, disable=not cfg["progress"] or rank != 0,
+               file=sys.stdout, mininterval=1.0, ascii=True, desc="train")
+    loss_value, began, done = float("nan"), time.perf_counter(), 0
+    for step in range(start, total):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, base_lr, cfg["lr_schedule"])
+        x, y = data.batch(step, batch, cfg["seed"] * 1000 + rank)
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        done += 1
+        loss_value = float(loss)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+        if args.checksums:
+            print(f"checksum step {step + 1}: {checksum(model)}", flush=True)
+        last = step + 1 == total
+        if log is not None and ((step + 1) % cfg["eval_every"] == 0 or last):
+            record = {"step": step + 1, "loss": loss_value,
+                      "samples_per_s": size * batch * done / (time.perf_counter() - began),
+                      "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
+                      "compress_s": client.compress_seconds}
+            record["accuracy"], record["test_loss"] = evaluate(model, data)
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        if ckpt is not None and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
+            save_checkpoint(ckpt, model, opt, step + 1)
+    bar.close()
+    wall = time.perf_counter() - began
+    accuracy, test_loss = evaluate(model, data)
+    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": total,
+               "samples_per_s": size * batch * done / wall if done else 0.0,
+               "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
+               "compress_s": client.compress_seconds,
+               "compressor": opt._compression.compressor.name if opt._compression.compressor else "none",
+               "wall_s": wall, "workers": size, "rank": rank, "checksum": checksum(model)}
+    if log is not None:
+        log.close()
+    bps.shutdown()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = job_config.parse_args(argv)
+    try:
+        cfg = job_config.load(args)
+    except ValueError as exc:
+        print(f"worker: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = train(cfg, args)
+    except (ClusterError, TimeoutError) as exc:
+        print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if summary["rank"] == 0:
+        print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                     for k, v in summary.items()), flush=True)
+        if args.metrics_out:
+            Path(args.metrics_out).write_text(json.dumps(summary, indent=2) + "\n")
+    return 0
