@@ -151,18 +151,21 @@ class PSClient:
 
     def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
                   average: bool = True, priority: int | None = None,
-                  ratio: float | None = None) -> Handle:
+                  ratio: float | None = None, step: int | None = None) -> Handle:
         """Start summing ``tensor`` across workers; do not modify it until the handle is done.
 
         ``ratio`` overrides the compressor's density for this tensor (the
-        partial-sparsification policy's per-layer choice).
+        partial-sparsification policy's per-layer choice); ``step`` is what
+        the compressor sees (default: how often this name was pushed), which a
+        resumed job sets so that seeds and schedules continue.
         """
         self._check()
         meta = self._declare(name, tensor)
         last = self._last.get(name)
         if last is not None and not last.done():
             raise ValueError(f"push_pull of {name!r} is still in flight; wait for it first")
-        step = self._steps.get(name, 0)
+        if step is None:
+            step = self._steps.get(name, 0)
         self._steps[name] = step + 1
         out = torch.empty(meta.shape, dtype=meta.dtype, device=tensor.device)
         handle = self._last[name] = Handle(self, name, out, len(meta.keys), average)

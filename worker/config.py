@@ -34,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--metrics", help="write JSON-lines metrics here (rank 0)")
     ap.add_argument("--metrics-out", dest="metrics_out", help="write the final summary as JSON here")
     ap.add_argument("--checkpoint-dir", dest="checkpoint_dir", help="save and resume from here")
+    ap.add_argument("--stop-after", type=int, dest="stop_after",
+                    help="end this run after so many steps (as a preempted job would)")
     ap.add_argument("--checksums", action="store_true",
                     help="print a checksum of the parameters after every step (every rank)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

@@ -113,7 +113,8 @@ def train(cfg: dict, args) -> dict:
     bar = tqdm(total=total, initial=start, disable=not cfg["progress"] or rank != 0,
                file=sys.stdout, mininterval=1.0, ascii=True, desc="train")
     loss_value, began, done = float("nan"), time.perf_counter(), 0
-    for step in range(start, total):
+    end = total if args.stop_after is None else min(total, start + args.stop_after)
+    for step in range(start, end):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, base_lr, cfg["lr_schedule"])
         x, y = data.batch(step, batch, cfg["seed"] * 1000 + rank)
@@ -126,9 +127,9 @@ def train(cfg: dict, args) -> dict:
         loss_value = float(loss)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
-        if args.checksums:
-            print(f"checksum step {step + 1}: {checksum(model)}", flush=True)
-        last = step + 1 == total
+        if args.checksums:  # through tqdm, so the line never shares one with the bar
+            tqdm.write(f"checksum step {step + 1}: {checksum(model)}", file=sys.stdout)
+        last = step + 1 == end
         if log is not None and ((step + 1) % cfg["eval_every"] == 0 or last):
             record = {"step": step + 1, "loss": loss_value,
                       "samples_per_s": size * batch * done / (time.perf_counter() - began),
@@ -142,7 +143,7 @@ def train(cfg: dict, args) -> dict:
     bar.close()
     wall = time.perf_counter() - began
     accuracy, test_loss = evaluate(model, data)
-    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": total,
+    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": end,
                "samples_per_s": size * batch * done / wall if done else 0.0,
                "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
                "compress_s": client.compress_seconds,

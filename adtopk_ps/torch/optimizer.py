@@ -93,7 +93,7 @@ class _Distributed:
             raise RuntimeError(f"gradient of {name!r} pushed twice before step(); with gradient "
                                f"accumulation set backward_passes_per_step")
         comp, ratio = self._compression.for_tensor(name)
-        self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio)
+        self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps)
 
     def synchronize(self) -> None:
         """Wait for every gradient; parameters that got none this step push zeros."""
