@@ -9,8 +9,10 @@ all_reduce; the sparse payloads of the rest are packed into one byte buffer
 per rank and exchanged with one all_gather, then every rank sums all ranks'
 payloads into its bucket with ``scatter_add_``. The byte packing keeps the
 uint8/uint16 indices compact and works on every backend (gloo, NCCL).
+
+(No ``from __future__ import annotations`` here: DDP checks the hook's
+annotations against the real ``dist.GradBucket`` class.)
 """
-from __future__ import annotations
 
 import math
 from typing import Mapping
