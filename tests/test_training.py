@@ -1,6 +1,7 @@
 """The training job on real local clusters: learning, identical replicas, broadcast, resume."""
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -68,3 +69,23 @@ def test_resumed_run_continues_from_the_same_step_with_identical_state(tmp_path)
     assert sorted(got) == list(range(21, 41))  # it picked up at step 21
     for step in range(21, 41):
         assert got[step] == want[step], step  # model, optimizer and residuals all came back
+
+
+def test_every_config_runs(tmp_path):
+    for config in sorted((ROOT / "configs").glob("*.yaml")):
+        summary = tmp_path / f"{config.stem}.json"
+        result = bpslaunch("--local", "--num-workers", "1", "--num-servers", "1", "--timeout", "200",
+                           "--", sys.executable, "-m", "worker", "--config", str(config),
+                           "--steps", "2", "--set", "batch_size=4", "--metrics-out", str(summary),
+                           timeout=240)
+        assert result.returncode == 0, (config.name, result.stdout[-3000:])
+        final = json.loads(summary.read_text())
+        assert final["steps"] == 2 and final["bytes_pushed"] > 0, config.name
+
+
+def test_bad_config_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: cnn\nlearning_rate: 3\n")
+    result = subprocess.run([sys.executable, "-m", "worker", "--config", str(bad)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "unknown keys ['learning_rate']" in result.stderr
