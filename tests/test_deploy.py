@@ -95,3 +95,16 @@ def test_job_config_map_is_the_config_in_configs():
     docs = render("base")
     shipped = yaml.safe_load(_by(docs, "ConfigMap", "adtopk-job")["data"]["job.yaml"])
     assert shipped == yaml.safe_load((ROOT / "configs" / "digits-cnn.yaml").read_text())
+
+
+def test_kubeflow_mxjob_pod_templates_validate():
+    """The operator's CRD schema is not bundled; every replica's pod template is a core PodTemplate."""
+    job = yaml.safe_load((ROOT / "deploy" / "kubeflow" / "mxjob.yaml").read_text())
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "MXJob")
+    specs = job["spec"]["mxReplicaSpecs"]
+    assert set(specs) == {"Scheduler", "Server", "Worker"} and specs["Scheduler"]["replicas"] == 1
+    for role, spec in specs.items():
+        assert spec["restartPolicy"] == "Never"
+        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
+                    "template": spec["template"]}
+        kubernetes_validate.validate(template, KUBERNETES, strict=True)

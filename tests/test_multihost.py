@@ -1,0 +1,55 @@
+"""Every role on its own host (a network namespace with a real address and a shaped link),
+started with bpslaunch and the DMLC variables as a user would on separate machines."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import netns
+from procs import FAST
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = netns.unavailable()
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_training_across_namespaced_hosts_on_shaped_links():
+    names = ["scheduler", "server0", "server1", "worker0", "worker1"]
+    with netns.hosts(names, rate="1gbit", delay="0.2ms") as net:
+        qdisc = subprocess.run(["ip", "netns", "exec", net["worker0"][0], "tc", "qdisc", "show",
+                                "dev", "eth0"], capture_output=True, text=True, check=True).stdout
+        # the link is really shaped (netem adds the delay where the kernel has it)
+        assert "rate 1Gbit" in qdisc and ("netem" not in qdisc or "delay 200us" in qdisc)
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+        base.update(FAST, DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
+                    DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="2", BYTEPS_LOCAL_SIZE="1")
+        launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+        job = [sys.executable, "-m", "worker", "--config", str(ROOT / "configs" / "digits-cnn.yaml"),
+               "--steps", "30", "--checksums", "--set", "progress=false"]
+        procs = {}
+        try:
+            for name in names:
+                role = re.sub(r"\d", "", name)
+                env = {**base, "DMLC_ROLE": role}
+                if role == "worker":
+                    env["DMLC_WORKER_ID"] = name[-1]
+                procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
+                                           env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, cwd=ROOT)
+            outputs = {name: p.communicate(timeout=180)[0] for name, p in procs.items()}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for name, p in procs.items():
+            assert p.returncode == 0, (name, outputs[name][-2000:])
+    # servers registered from their own hosts' addresses, found by routing to the scheduler
+    for server in ("server0", "server1"):
+        assert f"registered server at tcp://{net[server][1]}:" in outputs["scheduler"]
+    sums = [re.findall(r"checksum step (\d+): (\w+)", outputs[w]) for w in ("worker0", "worker1")]
+    assert len(sums[0]) == 30 and sums[0] == sums[1]
+    assert re.search(r"summary: accuracy=0\.[5-9]", outputs["worker0"])
