@@ -27,7 +27,8 @@ from . import wire
 from .cluster import ClusterConfig, make_key, partition_rows, server_of
 from .compression import Compressor, Dense
 from .env import env_int
-from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
+from .transport import (ClusterError, SchedulerLink, drain, make_socket, register_timeout,
+                        security, send)
 
 log = logging.getLogger("adtopk_ps.client")
 
@@ -121,6 +122,7 @@ class PSClient:
         self.config = config or ClusterConfig.from_env(role="worker")
         self.timeout = float(env_int("PS_PUSH_PULL_TIMEOUT_S", 600, minimum=1))
         self.ctx = ctx or zmq.Context.instance()
+        security(self.ctx)  # a bad PS_CURVE_KEYS fails here, naming the variable
         self.rank, self.size = -1, self.config.num_workers
         self.servers: list[str] = []
         self.bytes_pushed = self.bytes_pulled = 0
@@ -245,7 +247,8 @@ class PSClient:
             book = link.register()
             self.rank, self.servers = link.rank, list(book["servers"])
             for address in book["servers"]:
-                sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}")
+                sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
+                                   curve="client")
                 sock.connect(address)
                 servers.append(sock)
             self._ready.set()

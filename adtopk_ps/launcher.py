@@ -3,6 +3,7 @@
     DMLC_ROLE=worker ... bpslaunch python train.py     # one process per local device
     DMLC_ROLE=server ... bpslaunch                     # runs the server role
     bpslaunch --local --num-workers 2 --num-servers 2 -- python -m worker --config ...
+    bpslaunch keygen DIR                               # a CURVE key pair for PS_CURVE_KEYS
 
 With ``--local`` it starts a scheduler, the servers and the workers on free
 ports, prefixes each line of their output with the role, and exits with the
@@ -21,6 +22,7 @@ import threading
 import time
 from typing import Mapping, Sequence
 
+from . import security
 from .cluster import ClusterConfig
 from .env import EnvError, env_int
 
@@ -179,7 +181,20 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
     return supervise(children, config.heartbeat_timeout + 5, None)
 
 
+def keygen(argv: Sequence[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bpslaunch keygen",
+                                 description="Write a cluster key pair; point PS_CURVE_KEYS at DIR "
+                                             "on every role to authenticate and encrypt all traffic.")
+    ap.add_argument("directory")
+    secret = security.keygen(ap.parse_args(argv).directory)
+    print(f"wrote {secret} and {secret.with_suffix('.key')}; set PS_CURVE_KEYS={secret.parent}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keygen"]:
+        return keygen(argv[1:])
     ap = argparse.ArgumentParser(prog="bpslaunch", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--local", action="store_true", help="run a whole cluster on this host")

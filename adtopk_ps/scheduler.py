@@ -43,7 +43,7 @@ class Scheduler:
     def __init__(self, config: ClusterConfig, ctx: zmq.Context | None = None):
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
-        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(f"tcp://*:{config.root_port}")
         self.nodes: dict[bytes, Node] = {}
@@ -206,11 +206,11 @@ class Scheduler:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = ClusterConfig.from_env(role="scheduler")
+        scheduler = Scheduler(ClusterConfig.from_env(role="scheduler"))
     except EnvError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2
-    return Scheduler(config).run()
+    return scheduler.run()
 
 
 if __name__ == "__main__":

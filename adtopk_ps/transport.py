@@ -16,6 +16,7 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig
 from .env import env_int
+from .security import Security, keys_from_env
 
 log = logging.getLogger("adtopk_ps")
 
@@ -24,11 +25,29 @@ class ClusterError(RuntimeError):
     """The job cannot go on: a peer was lost, the scheduler refused us, or it went silent."""
 
 
-def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None) -> zmq.Socket:
+_security: dict[int, Security] = {}
+
+
+def security(ctx: zmq.Context) -> Security:
+    """This process's CURVE setup for ``ctx`` (from PS_CURVE_KEYS), made once."""
+    sec = _security.get(id(ctx))
+    if sec is None:
+        sec = _security[id(ctx)] = Security(ctx, keys_from_env())
+    return sec
+
+
+def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
+                curve: str | None = None) -> zmq.Socket:
+    """A socket that never lingers; ``curve`` is "server" for one that binds, "client" for
+    one that connects, None for inproc sockets (which never leave the process)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
+    if curve == "server":
+        security(ctx).server(sock)
+    elif curve == "client":
+        security(ctx).client(sock)
     return sock
 
 
@@ -53,7 +72,7 @@ class SchedulerLink:
     def __init__(self, ctx: zmq.Context, config: ClusterConfig):
         self.config = config
         self.identity = f"{config.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.sock = make_socket(ctx, zmq.DEALER, self.identity)
+        self.sock = make_socket(ctx, zmq.DEALER, self.identity, curve="client")
         self.sock.connect(config.scheduler_address)
         self.rank = -1
         self.book: dict = {}

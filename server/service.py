@@ -58,7 +58,7 @@ class Server:
                  ctx: zmq.Context | None = None):
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
-        self.data = make_socket(self.ctx, zmq.ROUTER)
+        self.data = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.port = self.data.bind_to_random_port("tcp://*")
         self.link = SchedulerLink(self.ctx, config)
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
@@ -122,8 +122,9 @@ def main() -> int:
         limits = ServerLimits.from_env()
         resparsify = resparsifier_from_env()
         threads = env_int("BYTEPS_SERVER_ENGINE_THREAD", 1, minimum=1)
+        torch.set_num_threads(threads)
+        server = Server(config, limits, resparsify)
     except ValueError as exc:
         print(f"server: {exc}", file=sys.stderr)
         return 2
-    torch.set_num_threads(threads)
-    return Server(config, limits, resparsify).run()
+    return server.run()

@@ -1,5 +1,6 @@
 """Deployment files: the Dockerfile lints clean, and every manifest and rendered overlay
 validates against the real Kubernetes schemas and keeps the DMLC environment contract."""
+import json
 import os
 import shutil
 import subprocess
@@ -108,3 +109,17 @@ def test_kubeflow_mxjob_pod_templates_validate():
         template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
                     "template": spec["template"]}
         kubernetes_validate.validate(template, KUBERNETES, strict=True)
+
+
+def test_gpu_overlay_gives_every_role_the_curve_keys():
+    docs = render("overlays/gpu")
+    for name in ("adtopk-scheduler", "adtopk-server", "adtopk-worker"):
+        pod = _by(docs, "Job", name)["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert env["PS_CURVE_KEYS"] == mounts["curve-keys"], name
+        assert volumes["curve-keys"]["secret"]["secretName"] == "adtopk-keys"
+        assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can read the keys
+    assert all("curve-keys" not in json.dumps(d) for d in render("overlays/cpu"))
