@@ -135,7 +135,7 @@ class PSClient:
         self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
         self._commands: list[tuple] = []
         self._seq = itertools.count()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: push_pull pokes while holding it
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(self.ctx, zmq.PULL)
         self._wake_in.bind(wake_addr)

@@ -20,14 +20,13 @@ def client():
 
 
 def test_later_layers_go_first_when_keys_queue_up(client):
-    # the first tensor is slow to compress; the three declared after it queue up
-    # behind it, and the engine takes the latest-declared first
-    slow = client.push_pull(torch.randn(4096, 4096), "first", create("adtopk", ratio=0.01))
-    handles = [client.push_pull(torch.full((10,), float(i)), f"layer{i}") for i in range(3)]
-    for h in [slow, *handles]:
-        h.wait(60)
+    # holding the queue's lock keeps the engine from taking any job until all are queued
+    with client._lock:
+        handles = [client.push_pull(torch.full((10,), float(i)), f"layer{i}") for i in range(4)]
+    for h in handles:
+        h.wait(30)
     order = sorted(handles, key=lambda h: h.completed_at)
-    assert [h.name for h in order] == ["layer2", "layer1", "layer0"]
+    assert [h.name for h in order] == ["layer3", "layer2", "layer1", "layer0"]
 
 
 def test_average_and_sum_and_declared_shapes(client):
