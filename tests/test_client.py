@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from adtopk_ps.client import PSClient, PushPullError
-from adtopk_ps.compression import create
 
 from procs import roles
 

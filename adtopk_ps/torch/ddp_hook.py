@@ -14,7 +14,6 @@ uint8/uint16 indices compact and works on every backend (gloo, NCCL).
 annotations against the real ``dist.GradBucket`` class.)
 """
 
-import math
 from typing import Mapping
 
 import torch

@@ -101,7 +101,7 @@ class _Distributed:
             if id(p) not in self._handles:
                 # every worker must push every key each step, or the others wait forever
                 self._start(name, p, p.grad if p.grad is not None else torch.zeros_like(p))
-        for name, p in self._named:
+        for _, p in self._named:
             averaged = self._handles.pop(id(p)).wait()
             if p.grad is None:
                 p.grad = averaged.to(p.dtype)
