@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import netns
+from adtopk_ps.testing import netns
 from procs import FAST
 
 ROOT = Path(__file__).resolve().parents[1]

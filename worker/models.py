@@ -65,6 +65,26 @@ class ResNet18(nn.Module):
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
 
 
+class VGG(nn.Module):
+    """VGG-style for 32x32 inputs: a light convolutional stack, then large dense layers."""
+
+    def __init__(self, channels: int = 3, classes: int = 10, width: int = 32, hidden: int = 2048):
+        super().__init__()
+        layers, cin = [], channels
+        for cout in (width, "M", 2 * width, "M", 4 * width, 4 * width, "M"):
+            if cout == "M":
+                layers.append(nn.MaxPool2d(2))
+            else:
+                layers += [nn.Conv2d(cin, cout, 3, padding=1), nn.ReLU()]
+                cin = cout
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(cin * 16, hidden), nn.ReLU(),
+                                        nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
 class TransformerLM(nn.Module):
     """A small causal Transformer language model over byte tokens."""
 
@@ -86,7 +106,8 @@ class TransformerLM(nn.Module):
 
 
 def build(name: str, spec: dict) -> nn.Module:
-    models = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "transformer": TransformerLM}
+    models = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "vgg": VGG,
+              "transformer": TransformerLM}
     if name not in models:
         raise ValueError(f"unknown model {name!r}; valid: {sorted(models)}")
     return models[name](**spec)

@@ -52,7 +52,8 @@ class GradientCompression:
 class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
-    def _setup(self, named_parameters, compression, backward_passes_per_step: int) -> None:
+    def _setup(self, named_parameters, compression, backward_passes_per_step: int,
+               overlap: bool) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         in_groups = {id(p) for group in self.param_groups for p in group["params"]}
@@ -78,7 +79,7 @@ class _Distributed:
         for name, p in self._named:
             c.declare(name, p.detach())
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
-                       for name, p in self._named]
+                       for name, p in self._named] if overlap else []
 
     def _make_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -152,16 +153,19 @@ class _Distributed:
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: Compressor | str | Mapping | GradientCompression | None = None,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1,
+                         overlap: bool = True) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
     ``compression`` is a compressor, a name, a byteps-style dict
     (``{"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}``) or a
     :class:`GradientCompression` with its own policy. Tensors the policy
     sends dense (biases, norms, small layers) skip the compressor.
+    ``overlap=False`` pushes everything in ``step()`` instead of during the
+    backward pass (the benchmarks use it to measure what overlap hides).
     """
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._setup(named_parameters, compression, backward_passes_per_step)
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap)
     return wrapped

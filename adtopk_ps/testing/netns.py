@@ -3,13 +3,16 @@
 Nothing touches the machine's own network namespace: every link, address and
 qdisc lives in namespaces made here, and deleting them removes it all.
 """
+from __future__ import annotations
+
 import os
 import shutil
 import subprocess
 from contextlib import contextmanager
+from typing import Iterator, Mapping, Sequence
 
 
-def _ip(*args, check=True):
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
 
 
@@ -28,7 +31,8 @@ def unavailable() -> str | None:
 
 
 @contextmanager
-def hosts(names, subnet="10.213.0", rate="1gbit", delay="0.2ms"):
+def hosts(names: Sequence[str], subnet: str = "10.213.0", rate: str = "1gbit",
+          delay: str = "0.2ms") -> Iterator[dict[str, tuple[str, str]]]:
     """Yields {name: (namespace, address)}; every host's link is shaped with netem."""
     tag = f"adtk{os.getpid() % 100000}"
     switch = f"{tag}-sw"
@@ -57,7 +61,7 @@ def hosts(names, subnet="10.213.0", rate="1gbit", delay="0.2ms"):
             _ip("netns", "del", ns, check=False)
 
 
-def shape(ns, rate, delay):
+def shape(ns: str, rate: str, delay: str) -> None:
     """netem (rate and delay) where the kernel has it, else tbf (rate only)."""
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"]
     netem = subprocess.run(tc + ["netem", "delay", delay, "rate", rate], capture_output=True,
@@ -69,5 +73,5 @@ def shape(ns, rate, delay):
                        timeout=30)
 
 
-def run_in(ns, argv, env, **popen):
+def run_in(ns: str, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **popen)

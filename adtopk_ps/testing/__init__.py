@@ -1,0 +1,1 @@
+"""Harnesses the tests and benchmarks share: test hosts in network namespaces."""

@@ -1,0 +1,270 @@
+"""End to end, side by side: our PS (dense, top-k, ADTopk, ADTopk-I) against torch DDP on gloo
+(dense, PowerSGD, our ADTopk hook), every role on its own host in a network namespace,
+links shaped with tc, all in one invocation.
+
+    sudo python benchmarks/e2e.py                           # VGG-style, 1 and 10 Gbit/s
+    sudo python benchmarks/e2e.py --models vgg resnet18 transformer --links 1gbit
+
+Each worker first times forward+backward alone (compute), then the timed
+steps. Reported per step: the whole step, compute, compression (PS), the
+wait for answers after backward (PS), and what is left (communication not
+hidden by the backward pass). "hidden" is the share of ADTopk's compression
+and communication that overlap hides: 1 - (overlapped step - compute) /
+(step without overlap - compute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = {
+    "ps-dense": {"kind": "ps", "compressor": "none"},
+    "ps-topk": {"kind": "ps", "compressor": "topk"},
+    "ps-adtopk": {"kind": "ps", "compressor": "adtopk"},
+    "ps-adtopk-no-overlap": {"kind": "ps", "compressor": "adtopk", "overlap": False},
+    "ps-adtopk-i+budget": {"kind": "ps", "compressor": "adtopk-i", "budget": True},
+    "ddp-dense": {"kind": "ddp", "hook": "none"},
+    "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
+    "ddp-adtopk": {"kind": "ddp", "hook": "adtopk"},
+}
+MODELS = {"vgg": ({}, "images"), "resnet18": ({"width": 32}, "images"),
+          "transformer": ({"dim": 256, "layers": 4}, "tokens")}
+
+
+# --- one worker ------------------------------------------------------------------------
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    from worker.models import build
+    torch.set_num_threads(1)
+    spec, inputs = MODELS[args.model]
+    system = SYSTEMS[args.system]
+    torch.manual_seed(0)
+    model = build(args.model, spec)
+    gen = torch.Generator().manual_seed(1)
+    if inputs == "images":
+        x, y = torch.randn(args.batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen)
+    else:
+        x = torch.randint(0, 256, (args.batch, 64), generator=gen)
+        y = torch.randint(0, 256, (args.batch, 64), generator=gen)
+
+    def loss_of(net):
+        out = net(x)
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def timed(fn, steps):
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - start) / steps
+
+    def local_step():
+        model.zero_grad()
+        loss_of(model).backward()
+
+    local_step()
+    compute = timed(local_step, 3)
+    result = {"compute_s": compute, "params": sum(p.numel() for p in model.parameters())}
+    ratio = args.ratio
+    if system["kind"] == "ps":
+        import adtopk_ps.torch as bps
+        from adtopk_ps.compression import SparsificationPolicy
+        bps.init()
+        name = system["compressor"]
+        compression = bps.GradientCompression(
+            None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
+            SparsificationPolicy(ratio if name != "none" else 1.0, budget=system.get("budget", False)))
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                       model.named_parameters(), compression,
+                                       overlap=system.get("overlap", True))
+        client = bps.client()
+        waits = []
+
+        def step():
+            opt.zero_grad()
+            loss_of(model).backward()
+            began = time.perf_counter()
+            opt.synchronize()
+            waits.append(time.perf_counter() - began)
+            with opt.skip_synchronize():
+                opt.step()
+
+        for _ in range(args.warmup):
+            step()
+        waits.clear()
+        c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
+        result["step_s"] = timed(step, args.steps)
+        result["compress_s"] = (client.compress_seconds - c0) / args.steps
+        result["wait_s"] = sum(waits) / len(waits)
+        result["bytes_per_step"] = (client.bytes_pushed + client.bytes_pulled - b0) / args.steps
+        rank = bps.rank()
+        bps.shutdown()
+    else:
+        import torch.distributed as dist
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        import adtopk_ps.torch as bps
+        rank = int(os.environ["DMLC_WORKER_ID"])
+        dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500", rank=rank,
+                                world_size=args.workers)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        if system["hook"] == "powersgd":
+            ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                          start_powerSGD_iter=2),
+                                   powersgd.powerSGD_hook)
+        elif system["hook"] == "adtopk":
+            ddp.register_comm_hook(bps.ADTopkHookState(model, {"compressor": "adtopk", "k": ratio,
+                                                               "ef": "vanilla"}), bps.adtopk_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+        def step():
+            opt.zero_grad()
+            loss_of(ddp).backward()
+            opt.step()
+
+        for _ in range(args.warmup):
+            step()
+        result["step_s"] = timed(step, args.steps)
+        dist.destroy_process_group()
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+# --- the driver ------------------------------------------------------------------------
+
+def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
+    from adtopk_ps.testing import netns
+    kind = SYSTEMS[system]["kind"]
+    workers = [f"worker{i}" for i in range(args.workers)]
+    roles = (["scheduler"] + [f"server{i}" for i in range(args.servers)] if kind == "ps" else []) + workers
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
+               DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
+               BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
+               GLOO_SOCKET_IFNAME="eth0")  # gloo's own address lookup would leave the namespace
+    job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
+           "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1]]
+    procs = []
+    try:
+        for role in roles:
+            role_env = {**env, "DMLC_ROLE": role.rstrip("0123456789")}
+            if role.startswith("worker"):
+                role_env["DMLC_WORKER_ID"] = role[len("worker"):]
+            argv = ([sys.executable, "-m", "adtopk_ps.launcher"] if kind == "ps" else []) + \
+                (job if role.startswith("worker") else [])
+            procs.append(netns.run_in(net[role][0], argv, role_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    lines = [line for out in outputs for line in out.splitlines() if "RESULT " in line]
+    if any(p.returncode for p in procs) or not lines:
+        raise RuntimeError(f"{system} on {model} failed:\n" + "\n".join(o[-2000:] for o in outputs))
+    return json.loads(lines[0].split("RESULT ", 1)[1])
+
+
+def report(results: dict, args: argparse.Namespace) -> str:
+    out = []
+    for (model, link), by_system in results.items():
+        ddp, ps = by_system.get("ddp-dense"), by_system.get("ps-dense")
+        out += [f"#### {model}, {link}, {args.workers} workers x {args.servers} servers, batch {args.batch}", "",
+                "| system | samples/s | step ms | compute | compress | wait after backward | exposed comm "
+                "| MB per step | vs DDP dense | vs PS dense |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for system, r in by_system.items():
+            if "error" in r:
+                out.append(f"| {system} | failed: {r['error']} |||||||||")
+                continue
+            ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
+            mb = "-" if "bytes_per_step" not in r else f"{r['bytes_per_step'] / 1e6:.2f}"
+            out.append(f"| {system} | {args.workers * args.batch / r['step_s']:.1f} | {ms(r['step_s'])} | "
+                       f"{ms(r['compute_s'])} | {ms(r.get('compress_s'))} | {ms(r.get('wait_s'))} | "
+                       f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
+                       f"{ddp['step_s'] / r['step_s']:.2f}x | {ps['step_s'] / r['step_s']:.2f}x |")
+        ov, no = by_system.get("ps-adtopk"), by_system.get("ps-adtopk-no-overlap")
+        if ov and no and no["step_s"] > no["compute_s"]:
+            hidden = 1 - max(0.0, ov["step_s"] - ov["compute_s"]) / (no["step_s"] - no["compute_s"])
+            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden:.0%}")
+        out.append("")
+    return "\n".join(out)
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    groups = list(results)
+    systems = list(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(groups)), 4.5))
+    width = 0.8 / len(systems)
+    for i, system in enumerate(systems):
+        speed = [results[g]["ddp-dense"]["step_s"] / results[g][system]["step_s"]
+                 if "step_s" in results[g][system] else 0.0 for g in groups]
+        ax.bar([j + i * width for j in range(len(groups))], speed, width, label=system)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], [f"{m}\n{link}" for m, link in groups])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("step speed vs DDP dense (x)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=["vgg"], choices=sorted(MODELS))
+    ap.add_argument("--links", nargs="*", default=["1gbit", "10gbit"])
+    ap.add_argument("--systems", nargs="*", default=list(SYSTEMS), choices=list(SYSTEMS))
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--system", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    from adtopk_ps.testing import netns
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted
+    why = netns.unavailable()
+    if why:
+        sys.exit(f"e2e benchmark: {why}")
+    names = ["scheduler"] + [f"server{i}" for i in range(args.servers)] + \
+        [f"worker{i}" for i in range(args.workers)]
+    results: dict = {}
+    for link in args.links:
+        with netns.hosts(names, rate=link) as net:
+            for model in args.models:
+                for system in args.systems:
+                    try:
+                        result = run_system(net, system, model, args)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        result = {"error": str(exc).splitlines()[0]}
+                        print(str(exc)[-3000:], file=sys.stderr, flush=True)
+                    results.setdefault((model, link), {})[system] = result
+                    print(f"{model} {link} {system}: {result}", flush=True)
+    text = report(results, args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "e2e.md").write_text(text + "\n")
+    chart(results, out / "e2e.png")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
