@@ -115,7 +115,11 @@ def worker(args: argparse.Namespace) -> None:
         rank = int(os.environ["DMLC_WORKER_ID"])
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500", rank=rank,
                                 world_size=args.workers)
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        # PowerSGD issues its later collectives from future callbacks; with two buckets in
+        # flight gloo can see them in different orders on different ranks ("collective
+        # mismatch"), so it gets one bucket
+        cap = 1024 if system["hook"] == "powersgd" else 25
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
         if system["hook"] == "powersgd":
             ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                                           start_powerSGD_iter=2),
