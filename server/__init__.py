@@ -1,1 +1,1 @@
-"""The server role: aggregates the pushes for the keys it owns (arrives with the runtime)."""
+"""The server role: per-key BSP aggregation of the pushes for the keys a server owns."""

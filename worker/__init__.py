@@ -1,1 +1,1 @@
-"""The worker role and the training job that bpslaunch starts (arrives with the runtime)."""
+"""The worker role's jobs: the training job that bpslaunch starts, and the cluster self-check."""
