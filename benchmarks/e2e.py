@@ -29,6 +29,7 @@ SYSTEMS = {
     "ps-topk": {"kind": "ps", "compressor": "topk"},
     "ps-adtopk": {"kind": "ps", "compressor": "adtopk"},
     "ps-adtopk-no-overlap": {"kind": "ps", "compressor": "adtopk", "overlap": False},
+    "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
     "ps-adtopk-i+budget": {"kind": "ps", "compressor": "adtopk-i", "budget": True},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
     "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
@@ -81,7 +82,8 @@ def worker(args: argparse.Namespace) -> None:
         name = system["compressor"]
         compression = bps.GradientCompression(
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
-            SparsificationPolicy(ratio if name != "none" else 1.0, budget=system.get("budget", False)))
+            SparsificationPolicy(ratio if name != "none" else 1.0, budget=system.get("budget", False)),
+            measure_costs=system.get("cost", False))
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        model.named_parameters(), compression,
                                        overlap=system.get("overlap", True))

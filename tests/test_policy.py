@@ -58,3 +58,21 @@ def test_route_ratio_drives_the_compressor():
     routes = policy.plan([("w", torch.zeros(100, 400)), ("b", torch.zeros(100))])
     p = ADTopk(0.05).compress(torch.randn(100, 400), "w", ratio=routes["w"].ratio)
     assert p.values.shape[1] == fibre_k(400, routes["w"].ratio) < fibre_k(400, 0.05)
+
+
+def test_cost_model_sends_dense_where_sparsifying_does_not_pay():
+    from adtopk_ps.compression import CostModel
+    fast_link = CostModel(bytes_per_s=10e9, compress_s_per_element=5e-9, workers=2)
+    slow_link = CostModel(bytes_per_s=100e6, compress_s_per_element=5e-9, workers=2)
+    big = torch.zeros(4096, 4096)
+    # 64 MB: dense 12.8 ms on the fast link, compression alone 84 ms: send it dense
+    assert SparsificationPolicy(0.01, cost_model=fast_link).route(big).dense
+    # on a slow link the 1.3 s of dense transfer dwarfs the compression
+    assert not SparsificationPolicy(0.01, cost_model=slow_link).route(big).dense
+    assert fast_link.sparse_pays(10**6, 4, 0.01) is False and slow_link.sparse_pays(10**6, 4, 0.01)
+
+
+def test_compression_speed_is_measured():
+    from adtopk_ps.compression import compression_speed, create
+    speed = compression_speed(create("adtopk", ratio=0.01), elements=1 << 16)
+    assert 0 < speed < 1e-5  # seconds per element

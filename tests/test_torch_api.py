@@ -85,3 +85,15 @@ def test_wrapped_optimizer_keeps_its_class_and_checkpoints_residuals(session):
     # the 500x40 weight (80 KB) is sparsified; what it did not send waits in its residual
     assert "0.weight#0" in residuals and residuals["0.weight#0"].abs().sum() > 0
     assert "0.bias#0" not in residuals  # 1-D tensors travel dense, with no residual
+
+
+def test_measured_costs_decide_routes(session):
+    model = torch.nn.Sequential(torch.nn.Linear(40, 500), torch.nn.ReLU(), torch.nn.Linear(500, 3))
+    compression = bps.GradientCompression("adtopk", measure_costs=True)
+    bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             compression)
+    cost = compression.policy.cost_model
+    assert cost is not None and cost.bytes_per_s > 1e6 and cost.compress_s_per_element > 0
+    weight = model[0].weight
+    expected_dense = not cost.sparse_pays(weight.numel(), 4, compression.compressor.ratio)
+    assert compression.routes["0.weight"].dense == expected_dense

@@ -56,7 +56,8 @@ def make_compression(cfg: dict) -> bps.GradientCompression:
     name = spec.get("compressor", "none") if isinstance(spec, dict) else spec
     ratio = float(spec.get("k", spec.get("ratio", 1.0))) if isinstance(spec, dict) and name != "none" else 1.0
     policy = SparsificationPolicy(ratio, min_compress_bytes=cfg["min_compress_bytes"], budget=cfg["budget"])
-    return bps.GradientCompression(None if name == "none" else spec, policy)
+    return bps.GradientCompression(None if name == "none" else spec, policy,
+                                   measure_costs=cfg["cost_model"])
 
 
 def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:

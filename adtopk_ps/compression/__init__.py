@@ -6,6 +6,7 @@ pieces that compose.
 """
 from .adtopk import ADTopk, ADTopkInterleaved, fibre_k
 from .base import Compressor
+from .cost import CostModel, compression_speed
 from .dense import Dense
 from .dgc import DGC
 from .gaussiank import GaussianK
@@ -18,7 +19,7 @@ from .threshold import Threshold
 from .topk import TopK
 
 __all__ = [
-    "ADTopk", "ADTopkInterleaved", "COMPRESSORS", "Compressor", "DGC", "Dense", "ErrorFeedback",
+    "ADTopk", "ADTopkInterleaved", "COMPRESSORS", "Compressor", "CostModel", "compression_speed", "DGC", "Dense", "ErrorFeedback",
     "GaussianK", "Payload", "PayloadError", "RandomK", "ResidualMemory", "Route",
     "SparsificationPolicy", "Threshold", "TopK", "create", "fibre_k", "index_dtype", "parameters",
 ]

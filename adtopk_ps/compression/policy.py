@@ -15,6 +15,7 @@ import torch
 
 from ..env import env_int
 from .base import check_ratio
+from .cost import CostModel
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 
@@ -27,7 +28,8 @@ class Route:
 
 class SparsificationPolicy:
     def __init__(self, ratio: float = 0.01, min_compress_bytes: int | None = None,
-                 budget: bool = False, environ: Mapping[str, str] | None = None):
+                 budget: bool = False, environ: Mapping[str, str] | None = None,
+                 cost_model: CostModel | None = None):
         self.ratio = check_ratio(ratio)
         if min_compress_bytes is None:
             min_compress_bytes = env_int("BYTEPS_MIN_COMPRESS_BYTES", DEFAULT_MIN_COMPRESS_BYTES,
@@ -38,11 +40,17 @@ class SparsificationPolicy:
                              f"got {min_compress_bytes!r}")
         self.min_compress_bytes = min_compress_bytes
         self.budget = budget
+        self.cost_model = cost_model
         self.sparse_ratio = self.ratio
 
     def is_dense(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> bool:
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        return len(shape) < 2 or nbytes < self.min_compress_bytes
+        """Dense by shape and size, or where the measured costs say sparsifying does not pay."""
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        numel = math.prod(shape)
+        if len(shape) < 2 or numel * itemsize < self.min_compress_bytes:
+            return True
+        return self.cost_model is not None and not self.cost_model.sparse_pays(numel, itemsize,
+                                                                               self.ratio)
 
     def plan(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Route]:
         """Routes for a whole model; in budget mode this fixes the sparse density."""

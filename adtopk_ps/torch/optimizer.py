@@ -8,12 +8,14 @@ pass. ``step()`` waits for the answers, writes the averaged gradients into
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterable, Mapping
 
 import torch
 
 from ..client import Handle
-from ..compression import Compressor, Route, SparsificationPolicy, create
+from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
+                           create)
 from .runtime import client
 
 
@@ -21,7 +23,9 @@ class GradientCompression:
     """One compressor plus the policy that says which tensors it gets, and at what density."""
 
     def __init__(self, compression: Compressor | str | Mapping | None = None,
-                 policy: SparsificationPolicy | None = None):
+                 policy: SparsificationPolicy | None = None, measure_costs: bool = False):
+        """``measure_costs``: time the link and the compressor when the optimizer starts, and
+        send dense every tensor for which sparsifying would not pay (:class:`CostModel`)."""
         if compression is None or compression == "none":
             self.compressor = None
         elif isinstance(compression, Compressor):
@@ -30,7 +34,22 @@ class GradientCompression:
             self.compressor = create(compression)
         ratio = self.compressor.ratio if self.compressor is not None else 1.0
         self.policy = policy or SparsificationPolicy(ratio)
+        self.measure_costs = measure_costs and self.compressor is not None
         self.routes: dict[str, Route] = {}
+
+    def calibrate(self, probe_bytes: int = 8 << 20) -> CostModel:
+        """Measure dense push/pull throughput and compression speed; every worker must call it."""
+        c = client()
+        probe = torch.zeros(probe_bytes // 4)
+        best = float("inf")
+        for _ in range(3):
+            started = time.perf_counter()
+            c.push_pull(probe, "cost-model.link", average=False).wait()
+            best = min(best, time.perf_counter() - started)
+        inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
+        model = CostModel(2 * probe.numel() * 4 / best, compression_speed(inner), c.size)
+        self.policy.cost_model = model
+        return model
 
     def plan(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.routes = self.policy.plan(named)
@@ -68,6 +87,8 @@ class _Distributed:
         self._named = [(n, p) for n, p in named if p.requires_grad]
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
+        if self._compression.measure_costs:
+            self._compression.calibrate()
         self._compression.plan(self._named)
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}

@@ -1,0 +1,44 @@
+"""Whether sparsifying a tensor pays, from speeds measured on this job's machine and links.
+
+Sending a tensor dense costs its bytes twice (push, then the dense answer).
+Sparsifying costs the compression, the sparse push, and an answer that can
+be as large as W workers' selections together. Where the link is fast and
+the tensor small, dense wins, and the policy should send it dense.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .base import Compressor
+
+# conservative bytes per kept element: the value plus a 4-byte position
+_INDEX_BYTES = 4
+
+
+@dataclass(frozen=True)
+class CostModel:
+    bytes_per_s: float  # dense push + pull throughput through the servers
+    compress_s_per_element: float
+    workers: int
+
+    def sparse_pays(self, numel: int, itemsize: int, ratio: float) -> bool:
+        dense_bytes = numel * itemsize
+        sparse_bytes = numel * ratio * (itemsize + _INDEX_BYTES)
+        answer = min(self.workers * sparse_bytes, dense_bytes)
+        dense = 2 * dense_bytes / self.bytes_per_s
+        sparse = self.compress_s_per_element * numel + (sparse_bytes + answer) / self.bytes_per_s
+        return sparse < dense
+
+
+def compression_speed(compressor: Compressor, elements: int = 1 << 20, repeats: int = 3) -> float:
+    """Seconds per element, the best of a few calls on a random [1024, elements/1024] tensor."""
+    x = torch.randn(1024, max(1, elements // 1024), generator=torch.Generator().manual_seed(0))
+    best = float("inf")
+    for i in range(repeats):
+        started = time.perf_counter()
+        compressor.compress(x, "cost-model-probe", i)
+        best = min(best, time.perf_counter() - started)
+    return best / x.numel()
