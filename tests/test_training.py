@@ -89,3 +89,13 @@ def test_bad_config_is_named(tmp_path):
     result = subprocess.run([sys.executable, "-m", "worker", "--config", str(bad)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown keys ['learning_rate']" in result.stderr
+
+
+def test_policy_density_follows_the_compressor_however_the_config_spells_it():
+    from worker.config import DEFAULTS
+    from worker.train import make_compression
+    for spec in ({"compressor": "adtopk"}, {"compressor": "adtopk", "k": 0.05},
+                 {"compressor": "topk", "ratio": 0.2}, "randomk"):
+        compression = make_compression({**DEFAULTS, "compression": spec})
+        assert compression.policy.ratio == compression.compressor.ratio
+    assert make_compression({**DEFAULTS, "compression": {"compressor": "none"}}).compressor is None

@@ -17,7 +17,7 @@ from torch import nn
 from tqdm import tqdm
 
 import adtopk_ps.torch as bps
-from adtopk_ps.compression import SparsificationPolicy
+from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.transport import ClusterError
 
 from . import config as job_config
@@ -54,10 +54,11 @@ def make_optimizer(model: nn.Module, spec: dict) -> torch.optim.Optimizer:
 def make_compression(cfg: dict) -> bps.GradientCompression:
     spec = cfg["compression"]
     name = spec.get("compressor", "none") if isinstance(spec, dict) else spec
-    ratio = float(spec.get("k", spec.get("ratio", 1.0))) if isinstance(spec, dict) and name != "none" else 1.0
-    policy = SparsificationPolicy(ratio, min_compress_bytes=cfg["min_compress_bytes"], budget=cfg["budget"])
-    return bps.GradientCompression(None if name == "none" else spec, policy,
-                                   measure_costs=cfg["cost_model"])
+    compressor = None if name == "none" else create(spec)
+    # the policy's density is the compressor's own, however the config spelt it
+    policy = SparsificationPolicy(compressor.ratio if compressor else 1.0,
+                                  min_compress_bytes=cfg["min_compress_bytes"], budget=cfg["budget"])
+    return bps.GradientCompression(compressor, policy, measure_costs=cfg["cost_model"])
 
 
 def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:
