@@ -11,6 +11,7 @@ servers to shut down and exits 0.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -53,8 +54,8 @@ class Scheduler:
 
     def run(self) -> int:
         cfg = self.config
-        log.info("scheduler listening on port %d for %d server(s) and %d worker(s)",
-                 cfg.root_port, cfg.num_servers, cfg.num_workers)
+        log.info("scheduler listening on port %d for %d server(s) and %d worker(s) (pid %d)",
+                 cfg.root_port, cfg.num_servers, cfg.num_workers, os.getpid())
         deadline = time.monotonic() + register_timeout()
         try:
             while True:

@@ -69,7 +69,7 @@ class Server:
     def run(self) -> int:
         try:
             self.link.register(self.port)
-            log.info("server %d serving on port %d", self.link.rank, self.port)
+            log.info("server %d serving on port %d (pid %d)", self.link.rank, self.port, os.getpid())
             poller = zmq.Poller()
             poller.register(self.data, zmq.POLLIN)
             poller.register(self.link.sock, zmq.POLLIN)

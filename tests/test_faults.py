@@ -22,7 +22,9 @@ def _alive_with(marker: str) -> list[int]:
     return pids
 
 
-def test_worker_killed_mid_round_ends_the_job_with_a_named_error():
+def _kill_mid_round(victim_pattern: str):
+    """A 3x2 selfcheck job; SIGKILL the process whose pid ``victim_pattern`` captures once
+    worker 1 is past round 3. Returns (launcher status, seconds to exit, output)."""
     marker = str(random.randint(10**8, 10**9))
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
            "--num-servers", "2", "--timeout", "100", "--", sys.executable, "-m", "worker.selfcheck",
@@ -34,7 +36,7 @@ def test_worker_killed_mid_round_ends_the_job_with_a_named_error():
         deadline = time.monotonic() + 90
         for line in launcher.stdout:
             lines.append(line)
-            found = re.search(r"\[worker 1\] worker 1/3 pid=(\d+)", line)
+            found = re.search(victim_pattern, line)
             if found:
                 victim = int(found.group(1))
             if victim and "[worker 1] worker 1: round 3 ok" in line:
@@ -47,13 +49,36 @@ def test_worker_killed_mid_round_ends_the_job_with_a_named_error():
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    out = "".join(lines) + rest
-    assert launcher.returncode == 137, out[-3000:]  # the first failure: worker 1, SIGKILL
-    # the bound: heartbeat timeout (2 s here) plus the launcher's grace for stragglers
-    assert elapsed < 2 + 5 + 5, elapsed
+    assert _alive_with(marker) == []  # nothing is left running
+    return launcher.returncode, elapsed, "".join(lines) + rest
+
+
+# the bound: heartbeat timeout (2 s here) plus the launcher's grace for stragglers
+BOUND = 2 + 5 + 5
+
+
+def test_worker_killed_mid_round_ends_the_job_with_a_named_error():
+    status, elapsed, out = _kill_mid_round(r"\[worker 1\] worker 1/3 pid=(\d+)")
+    assert status == 137, out[-3000:]  # the first failure: worker 1, SIGKILL
+    assert elapsed < BOUND, elapsed
     named = r"worker 1 \(127\.0\.0\.1\) lost: no heartbeat for [\d.]+ s"
     for role in ("worker 0", "worker 2", "server 0", "server 1", "scheduler"):
         assert re.search(rf"\[{role}\] .*{named}", out), (role, out[-3000:])
     for role in ("worker 0", "worker 2"):
         assert f"[bpslaunch] killing {role}" not in out  # they ended on their own
-    assert _alive_with(marker) == []
+
+
+def test_server_killed_mid_round_ends_the_job_naming_it():
+    status, elapsed, out = _kill_mid_round(r"\[server 0\] .* serving on port \d+ \(pid (\d+)\)")
+    assert status == 137 and elapsed < BOUND, (status, elapsed, out[-3000:])
+    named = r"server \d \(tcp://127\.0\.0\.1:\d+\) lost: no heartbeat for [\d.]+ s"
+    for role in ("worker 0", "worker 1", "worker 2", "scheduler"):
+        assert re.search(rf"\[{role}\] .*{named}", out), (role, out[-3000:])
+
+
+def test_scheduler_killed_ends_every_role_naming_it():
+    status, elapsed, out = _kill_mid_round(r"\[scheduler\] .* listening on port .* \(pid (\d+)\)")
+    assert status == 137 and elapsed < BOUND, (status, elapsed, out[-3000:])
+    for role in ("worker 0", "worker 1", "worker 2", "server 0", "server 1"):
+        assert re.search(rf"\[{role}\] .*scheduler at tcp://127\.0\.0\.1:\d+ silent for", out), \
+            (role, out[-3000:])
