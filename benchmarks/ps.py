@@ -125,12 +125,13 @@ def raw_pyzmq(total_bytes: int, message_bytes: int, inflight: int) -> float:
 
 
 def ps_run(workers: int, servers: int, grads: str, compressor: str, ratio: float,
-           rounds: int) -> dict:
+           rounds: int, keys: str | None = None) -> dict:
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(workers),
            "--num-servers", str(servers), "--timeout", "900", "--", sys.executable, __file__,
            "--worker", "--set", grads, "--compressor", compressor, "--ratio", str(ratio),
            "--rounds", str(rounds)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1000)
+    env = {**os.environ, **({"PS_CURVE_KEYS": keys} if keys else {})}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1000, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
                if "RESULT " in line]
     if out.returncode != 0 or len(results) != workers:
@@ -147,6 +148,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--compressor", default="adtopk")
     ap.add_argument("--quick", action="store_true", help="only the 1x1 dense run and the baseline")
+    ap.add_argument("--curve", action="store_true",
+                    help="also run the large-message set with CURVE on every socket")
     ap.add_argument("--set", default="resnet50", choices=sorted(GRADIENT_SETS), help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
@@ -167,9 +170,16 @@ def main() -> None:
         ("large", 1, 1, "none"), ("large", 2, 2, "none"),
         ("resnet50", 1, 1, "none"), ("resnet50", 2, 2, "none"),
         ("resnet50", 1, 1, args.compressor), ("resnet50", 2, 2, args.compressor)]
-    for grads, w, s, comp in configs:
-        r = ps_run(w, s, grads, comp, args.ratio, args.rounds)
-        label = comp if comp == "none" else f"{comp} {args.ratio}"
+    keys = None
+    if args.curve:
+        import tempfile
+
+        from adtopk_ps.security import keygen
+        keys = str(keygen(tempfile.mkdtemp()).parent)
+        configs += [("large", 1, 1, "none", keys), ("large", 2, 2, "none", keys)]
+    for grads, w, s, comp, *secured in configs:
+        r = ps_run(w, s, grads, comp, args.ratio, args.rounds, *secured)
+        label = (comp if comp == "none" else f"{comp} {args.ratio}") + (" + CURVE" if secured else "")
         print(f"| {grads} | {w} x {s} | {label} | {r['rounds_per_s']:.2f} | "
               f"{r['bytes_per_s'] / 1e9:.2f} | {r['bytes_per_s'] / raw:.0%} | "
               f"{r['pushed_per_round'] / MB:.2f} MiB |", flush=True)
