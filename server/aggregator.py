@@ -58,7 +58,7 @@ def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
     flat = aggregate.view(-1)
     idtype = index_dtype(flat.numel())
     itemsize = aggregate.element_size()
-    per_entry = itemsize + torch.empty(0, dtype=idtype).element_size()
+    per_entry = itemsize + idtype.itemsize
     dense = Payload("dense", tuple(aggregate.shape), aggregate.dtype, flat)
     if union_bound is not None and union_bound * per_entry >= flat.numel() * itemsize:
         return dense
@@ -115,7 +115,7 @@ class Aggregator:
     def _declare(self, key: int, payload: Payload) -> KeyState:
         if len(self.keys) >= self.max_keys:
             raise PushRejected(f"key {key} would exceed the server's limit of {self.max_keys} keys")
-        nbytes = 2 * math.prod(payload.shape) * torch.empty(0, dtype=payload.dtype).element_size()
+        nbytes = 2 * math.prod(payload.shape) * payload.dtype.itemsize
         if self.bytes_held + nbytes > self.max_bytes:
             raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
                                f"of its {self.max_bytes} byte limit")

@@ -1,8 +1,10 @@
 """Running real role processes from tests: bounded in time, cleaned up afterwards."""
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 
 from adtopk_ps.cluster import ClusterConfig
@@ -51,3 +53,20 @@ def roles(workers, servers, **extra):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
+
+
+def clients(config, n):
+    """``n`` worker clients of one cluster, registered concurrently (the address book
+    arrives only when every worker has registered)."""
+    from adtopk_ps.client import PSClient
+    out = [None] * n
+
+    def start(i):
+        out[i] = PSClient(dataclasses.replace(config, worker_id=i))
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(out), "a worker client did not start"
+    return out

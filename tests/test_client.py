@@ -1,12 +1,10 @@
 """The worker client against real scheduler and server processes."""
-import dataclasses
-import threading
-
 import pytest
 import torch
 
 from adtopk_ps.client import PSClient, PushPullError
 
+from procs import clients as start_clients
 from procs import roles
 
 
@@ -38,15 +36,7 @@ def test_average_and_sum_and_declared_shapes(client):
 
 def test_overlapping_pushes_of_one_name_are_refused():
     with roles(2, 1) as (config, _):
-        clients = [None, None]
-
-        def start(i):
-            clients[i] = PSClient(dataclasses.replace(config, worker_id=i))
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        clients = start_clients(config, 2)
         first = clients[0].push_pull(torch.ones(8, 8), "w")  # waits for worker 1's push
         with pytest.raises(ValueError, match="still in flight"):
             clients[0].push_pull(torch.ones(8, 8), "w")

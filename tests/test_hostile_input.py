@@ -1,5 +1,4 @@
 """A live server under malformed and hostile messages keeps serving honest workers exactly."""
-import dataclasses
 import threading
 
 import msgpack
@@ -7,9 +6,9 @@ import torch
 import zmq
 
 from adtopk_ps import wire
-from adtopk_ps.client import PSClient
 from adtopk_ps.compression import create
 
+from procs import clients as procs_clients
 from procs import roles
 
 ROUNDS = 12
@@ -19,18 +18,6 @@ SHAPES = [(64, 300), (200,), (16, 3, 5, 5)]
 def _grad(shape, worker, rnd, i):
     gen = torch.Generator().manual_seed(worker * 1000 + rnd * 10 + i)
     return torch.randint(-8, 9, shape, generator=gen).float()
-
-
-def _clients(config, n):
-    out = [None] * n
-    def start(i):
-        out[i] = PSClient(dataclasses.replace(config, worker_id=i))
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return out
 
 
 def _honest(client, results, progress):
@@ -76,7 +63,7 @@ def _hostile_messages(honest_key):
 
 def test_server_answers_every_bad_message_and_honest_rounds_stay_exact():
     with roles(2, 1) as (config, procs):
-        clients = _clients(config, 2)
+        clients = procs_clients(config, 2)
         results, progress = {}, threading.Event()
         threads = [threading.Thread(target=_honest, args=(c, results, progress)) for c in clients]
         for t in threads:

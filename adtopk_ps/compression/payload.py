@@ -238,7 +238,7 @@ def _as_buffer(t: torch.Tensor) -> memoryview:
 
 def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
     mv = memoryview(buf)
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = dtype.itemsize
     if mv.nbytes != count * item:
         raise PayloadError(
             f"{what} frame has {mv.nbytes} bytes, expected {count} x {item} = {count * item}"

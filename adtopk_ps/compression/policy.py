@@ -45,7 +45,7 @@ class SparsificationPolicy:
 
     def is_dense(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> bool:
         """Dense by shape and size, or where the measured costs say sparsifying does not pay."""
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         numel = math.prod(shape)
         if len(shape) < 2 or numel * itemsize < self.min_compress_bytes:
             return True
