@@ -22,16 +22,28 @@ class ResidualMemory:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """``g + r``, written into the residual's own buffer.
+
+        Updating in place (here and in :meth:`update`) allocates nothing per
+        step: a fresh tensor of a large layer costs page faults that measured
+        as slow as the selection itself on CPU.
+        """
         residual = self.residuals.get(name)
         if residual is None:
-            return grad.detach().clone()
+            residual = self.residuals[name] = grad.detach().clone()
+            return residual
         if residual.shape != grad.shape:
             raise ValueError(f"residual for {name!r} has shape {tuple(residual.shape)}, "
                              f"gradient has {tuple(grad.shape)}")
-        return grad.detach() + residual.to(grad.device, grad.dtype)
+        if residual.device != grad.device or residual.dtype != grad.dtype:
+            residual = self.residuals[name] = residual.to(grad.device, grad.dtype)
+        return residual.add_(grad.detach())
 
     def update(self, name: str, compensated: torch.Tensor, payload: Payload) -> torch.Tensor:
-        residual = compensated.clone()
+        """``r = c - decompress(payload)``, in ``c``'s buffer unless the payload still reads it."""
+        residual = compensated
+        if payload.values.untyped_storage().data_ptr() == compensated.untyped_storage().data_ptr():
+            residual = compensated.clone()  # a dense payload may be a view of c
         payload.accumulate_into(residual, alpha=-1.0)
         self.residuals[name] = residual
         return residual
