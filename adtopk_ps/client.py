@@ -53,8 +53,10 @@ class PushPullError(RuntimeError):
 class Handle:
     """The pending result of one ``push_pull``."""
 
-    def __init__(self, client: "PSClient", name: str, out: torch.Tensor, parts: int, average: bool):
-        self.name, self.out, self.average = name, out, average
+    def __init__(self, client: "PSClient", name: str, out: torch.Tensor, parts: int, average: bool,
+                 out_given: bool = False):
+        self.name, self.out, self.out_given = name, out, out_given
+        self.divisor = client.size if average else 1
         self._client = client
         self.parts = self._left = parts
         self._event = threading.Event()
@@ -76,8 +78,6 @@ class Handle:
     def _part_done(self) -> None:
         self._left -= 1
         if self._left == 0:
-            if self.average and self._client.size > 1:
-                self.out.div_(self._client.size)
             self.completed_at = time.monotonic()
             self._event.set()
 
@@ -154,12 +154,15 @@ class PSClient:
 
     def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
                   average: bool = True, priority: int | None = None,
-                  ratio: float | None = None, step: int | None = None) -> Handle:
+                  ratio: float | None = None, step: int | None = None,
+                  out: torch.Tensor | None = None) -> Handle:
         """Start summing ``tensor`` across workers; do not modify it until the handle is done.
 
-        ``ratio`` overrides the compressor's density for this tensor (the
-        partial-sparsification policy's per-layer choice); ``step`` is what
-        the compressor sees (default: how often this name was pushed), which a
+        ``out`` receives the result (default: a new tensor); it may be
+        ``tensor`` itself, as a key's answer comes only after the server has
+        every push of it, this worker's included. ``ratio`` overrides the
+        compressor's density for this tensor (the partial-sparsification
+        policy's per-layer choice); ``step`` is what the compressor sees (default: how often this name was pushed), which a
         resumed job sets so that seeds and schedules continue.
         """
         self._check()
@@ -170,8 +173,13 @@ class PSClient:
         if step is None:
             step = self._steps.get(name, 0)
         self._steps[name] = step + 1
-        out = torch.empty(meta.shape, dtype=meta.dtype, device=tensor.device)
-        handle = self._last[name] = Handle(self, name, out, len(meta.keys), average)
+        given = out is not None
+        if not given:
+            out = torch.empty(meta.shape, dtype=meta.dtype, device=tensor.device)
+        elif (out.shape, out.dtype, out.device) != (tensor.shape, tensor.dtype, tensor.device):
+            raise ValueError(f"out for {name!r} is {out.dtype} {tuple(out.shape)} on {out.device}; "
+                             f"the tensor is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
+        handle = self._last[name] = Handle(self, name, out, len(meta.keys), average, given)
         job = _Job(-meta.id if priority is None else priority, next(self._seq), handle,
                    tensor.detach(), meta, compressor or Dense(), step, ratio)
         with self._lock:
@@ -346,11 +354,13 @@ class PSClient:
             raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
                                f"of the wrong shape")
         handle, payload = part.handle, msg.payload
-        if handle.parts == 1 and payload.codec == "dense" and payload.values.dtype == handle.out.dtype \
-                and handle.out.device.type == "cpu":
+        if handle.parts == 1 and not handle.out_given and payload.codec == "dense" \
+                and payload.values.dtype == handle.out.dtype and handle.out.device.type == "cpu":
             handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy
+            if handle.divisor != 1:
+                handle.out.div_(handle.divisor)
         else:
-            payload.write_into(part.view)
+            payload.write_into(part.view, handle.divisor)
         handle._part_done()
 
     def _fail_all(self, error: BaseException) -> None:

@@ -53,3 +53,27 @@ def test_a_refused_push_fails_its_handle_with_the_servers_reason(client):
     handle = client.push_pull(torch.zeros(4, 4), "a")
     with pytest.raises(PushPullError, match="push for round 5 of key 0, which is at round 1"):
         handle.wait(10)
+
+
+def test_answers_land_in_place_averaged_for_every_codec():
+    """``out=tensor`` (what the optimizer uses): dense, sparse and multi-key answers are
+    written into the pushed tensor itself, averaged, and equal a fresh-buffer push_pull."""
+    from adtopk_ps.compression import create
+    with roles(2, 2, BYTEPS_PARTITION_BYTES="4096") as (config, _):
+        clients = start_clients(config, 2)
+        for comp in (None, create("adtopk", ratio=0.1), create("topk", ratio=0.3)):
+            for shape in ((6, 7), (64, 40)):  # (64, 40) spans several keys
+                grads = [torch.randn(shape, generator=torch.Generator().manual_seed(w)) for w in range(2)]
+                fresh = [c.push_pull(g, f"fresh{shape}{comp}", comp) for c, g in zip(clients, grads)]
+                want = [h.wait(30).clone() for h in fresh]
+                inplace = [g.clone() for g in grads]
+                handles = [c.push_pull(t, f"inplace{shape}{comp}", comp, out=t)
+                           for c, t in zip(clients, inplace)]
+                for h, t, w in zip(handles, inplace, want):
+                    assert h.wait(30) is t
+                    assert torch.equal(t, w)
+                assert torch.equal(want[0], want[1])
+        with pytest.raises(ValueError, match=r"out for 'bad' is torch.float32 \(3,\)"):
+            clients[0].push_pull(torch.zeros(4), "bad", out=torch.zeros(3))
+        for c in clients:
+            c.shutdown()

@@ -89,3 +89,14 @@ def test_random_frames_never_crash_the_decoder(frames):
         Payload.from_frames(frames)
     except PayloadError:
         pass
+
+
+@given(st.sampled_from(["none", "topk", "adtopk", "randomk"]), st.integers(1, 5))
+def test_write_into_with_a_divisor_equals_dividing_afterwards(name, divisor):
+    x = torch.randn(12, 20, generator=torch.Generator().manual_seed(divisor))
+    payload = (create(name) if name == "none" else create(name, ratio=0.2)).compress(x, "t", 1)
+    want = payload.decompress().div_(divisor)
+    assert torch.equal(payload.write_into(torch.full_like(x, 7.0), divisor), want)
+    if name != "none":  # the flat positions are exactly where the values land
+        flat = payload.decompress().view(-1)
+        assert torch.equal(flat[payload.flat_positions()], payload.values.reshape(-1))

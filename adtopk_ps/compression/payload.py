@@ -192,12 +192,31 @@ class Payload:
             return seeded_indices(self.seed, self.numel, self.count, self.values.device)
         return self.indices.long()
 
-    def accumulate_into(self, out: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
-        """``out += alpha * decompress(self)`` in place, without a dense expansion."""
+    def flat_positions(self) -> torch.Tensor:
+        """Positions into the flattened tensor (fibre payloads carry axis-1 ones)."""
+        if self.codec == "dense":
+            raise PayloadError("a dense payload has no positions")
+        pos = self.positions()
+        if self.codec != "fibre":
+            return pos.view(-1)
+        lead, n, rest = self.view[0], self.view[1], math.prod(self.view[2:])
+        row = torch.arange(lead, device=pos.device).view(lead, 1, 1) * (n * rest)
+        col = torch.arange(rest, device=pos.device).view(1, 1, rest)
+        return (row + pos.reshape(lead, -1, rest) * rest + col).view(-1)
+
+    def accumulate_into(self, out: torch.Tensor, alpha: float = 1.0, divisor: int = 1) -> torch.Tensor:
+        """``out += alpha * decompress(self) / divisor`` in place, without a dense expansion.
+
+        Sparse values are scaled before they land, so averaging costs ``count``
+        divisions instead of a pass over ``out``; a dense tensor divided after
+        the fact gets the same bits, as every position receives one value.
+        """
         self._check_target(out)
         vals = self.values.to(device=out.device, dtype=out.dtype)
         if alpha != 1.0:
             vals = vals * alpha
+        if divisor != 1:
+            vals = vals / divisor
         if self.codec == "dense":
             out.add_(vals.view(self.shape))
         elif self.codec == "fibre":
@@ -206,12 +225,17 @@ class Payload:
             out.view(-1).scatter_add_(0, self.positions().to(out.device), vals)
         return out
 
-    def write_into(self, out: torch.Tensor) -> torch.Tensor:
-        """``out[:] = decompress(self)``, on ``out``'s device, with one pass for dense payloads."""
+    def write_into(self, out: torch.Tensor, divisor: int = 1) -> torch.Tensor:
+        """``out[:] = decompress(self) / divisor``, on ``out``'s device, in one pass for dense payloads."""
         self._check_target(out)
-        if self.codec == "dense":
-            return out.copy_(self.values.view(self.shape))
-        return self.accumulate_into(out.zero_())
+        if self.codec != "dense":
+            return self.accumulate_into(out.zero_(), divisor=divisor)
+        vals = self.values.view(self.shape)
+        if divisor == 1:
+            return out.copy_(vals)
+        if vals.dtype == out.dtype and vals.device == out.device:
+            return torch.div(vals, divisor, out=out)
+        return out.copy_(vals).div_(divisor)
 
     def _check_target(self, out: torch.Tensor) -> None:
         if tuple(out.shape) != self.shape:

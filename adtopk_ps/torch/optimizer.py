@@ -115,7 +115,9 @@ class _Distributed:
             raise RuntimeError(f"gradient of {name!r} pushed twice before step(); with gradient "
                                f"accumulation set backward_passes_per_step")
         comp, ratio = self._compression.for_tensor(name)
-        self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps)
+        # the average lands in the gradient's own memory: no buffer to allocate, no copy after
+        self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps,
+                                                  out=grad)
 
     def synchronize(self) -> None:
         """Wait for every gradient; parameters that got none this step push zeros."""
@@ -127,7 +129,7 @@ class _Distributed:
             averaged = self._handles.pop(id(p)).wait()
             if p.grad is None:
                 p.grad = averaged.to(p.dtype)
-            else:
+            elif averaged is not p.grad:
                 p.grad.copy_(averaged)
         self._passes.clear()
         self._synchronized = True
