@@ -12,12 +12,19 @@ alternate rounds: a dense answer is sent straight from its buffer, and
 round r+2, the next one to touch that buffer, cannot start before every
 worker has received round r's answer (each worker pushes round r+1 only
 after that).
+
+A round whose pushes are all sparse costs work in proportion to what was
+pushed, not to the key's size: it lands in a buffer known to be all zeros,
+the answer is the union of the pushed positions, and only those positions
+are zeroed again afterwards (scanning the whole sum for nonzeros took about
+half of a server's time on ADTopk keys).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from adtopk_ps.compression import ADTopk, Compressor, ErrorFeedback, Payload, index_dtype
@@ -37,16 +44,59 @@ class KeyState:
     union_bound: int = 0  # values pushed this round: the sparse union is at most this many
     current: torch.Tensor | None = None  # the sum of the round in progress
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # allocated on first need
+    clean: list[bool] = field(default_factory=lambda: [True, True])  # buffer known to be zeros
+    touched: list[torch.Tensor] | None = None  # flat positions pushed, while every push is sparse
 
     def start_round(self, payload: Payload, owned: bool) -> None:
         vals = payload.values
+        self.touched = None
         if owned and payload.codec == "dense" and vals.dtype == self.dtype and vals.is_contiguous():
             self.current = vals.view(self.shape)
             return
         if self.buffers is None:
-            self.buffers = (torch.empty(self.shape, dtype=self.dtype),
-                            torch.empty(self.shape, dtype=self.dtype))
-        self.current = payload.write_into(self.buffers[self.round % 2])
+            self.buffers = (torch.zeros(self.shape, dtype=self.dtype),
+                            torch.zeros(self.shape, dtype=self.dtype))
+        which = self.round % 2
+        if payload.codec != "dense" and self.clean[which]:
+            self.current = payload.accumulate_into(self.buffers[which])
+            self.touched = [payload.flat_positions()]
+        else:
+            self.current = payload.write_into(self.buffers[which])
+        self.clean[which] = False
+
+    def add(self, payload: Payload) -> None:
+        payload.accumulate_into(self.current)
+        if self.touched is not None:
+            if payload.codec == "dense":
+                self.touched = None
+            else:
+                self.touched.append(payload.flat_positions())
+
+    def sparse_answer(self, aggregate: torch.Tensor, touched: list[torch.Tensor],
+                      which: int) -> Payload:
+        """The nonzero sums at the pushed positions; the buffer is zeroed again where they were."""
+        flat = aggregate.view(-1)
+        union = union_of(touched)
+        values = flat[union]
+        nonzero = values != 0  # zero rows (dead units) are pushed too; they need not come back
+        union, values = union[nonzero], values[nonzero]
+        idtype = index_dtype(flat.numel())
+        if union.numel() * (flat.element_size() + idtype.itemsize) >= flat.numel() * flat.element_size():
+            return Payload("dense", self.shape, self.dtype, flat)  # the buffer stays as it is
+        flat.index_fill_(0, union, 0)
+        self.clean[which] = True
+        return Payload("coo", self.shape, self.dtype, values, union.to(idtype))
+
+
+def union_of(positions: list[torch.Tensor]) -> torch.Tensor:
+    """Sorted distinct positions. numpy's vectorised sort measured 25x faster than
+    torch.unique here (20,000 positions: 0.07 ms against 1.8 ms)."""
+    every = torch.cat(positions).numpy()
+    ordered = np.sort(every)
+    first = np.empty(ordered.shape, dtype=bool)
+    first[:1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+    return torch.from_numpy(ordered[first])
 
 
 def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
@@ -100,7 +150,7 @@ class Aggregator:
         if sender in state.pushed:
             raise PushRejected(f"worker {sender} already pushed round {round} of key {key}")
         if state.pushed:
-            payload.accumulate_into(state.current)
+            state.add(payload)
         else:
             state.start_round(payload, owned)
             state.union_bound = 0
@@ -125,7 +175,10 @@ class Aggregator:
 
     def _answer(self, key: int, state: KeyState, round: int) -> Payload:
         aggregate, state.current = state.current, None
+        touched, state.touched = state.touched, None
         comp = self.resparsify
-        if comp is None or not state.sparse or (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
-            return hybrid(aggregate, state.union_bound)
-        return comp.compress(aggregate, f"key{key}", round)
+        if comp is not None and state.sparse and not (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
+            return comp.compress(aggregate, f"key{key}", round)
+        if touched is not None:
+            return state.sparse_answer(aggregate, touched, round % 2)
+        return hybrid(aggregate, state.union_bound)

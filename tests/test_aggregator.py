@@ -112,3 +112,50 @@ def test_server_compressor_comes_from_the_environment(monkeypatch):
         resparsifier_from_env()
     monkeypatch.delenv("BYTEPS_SERVER_COMPRESSOR")
     assert resparsifier_from_env() is None
+
+
+@given(st.lists(st.lists(st.sampled_from(["none", "topk", "adtopk", "randomk", "dup"]),
+                         min_size=2, max_size=2), min_size=1, max_size=6),
+       st.sampled_from([0.05, 0.5, 1.0]))
+def test_mixed_rounds_stay_exact_as_buffers_are_reused(rounds, ratio):
+    """Sparse rounds re-zero only what they touched; dense or dense-sized rounds leave a
+    buffer that the next sparse round must not trust. Every round's sum stays exact."""
+    agg = Aggregator(2)
+    shape = (6, 10)
+    for rnd, kinds in enumerate(rounds):
+        want = torch.zeros(shape)
+        answer = None
+        for w, kind in enumerate(kinds):
+            grad = _ints(shape, 10 * rnd + w)
+            if kind == "dup":  # a coo push naming one position twice sums both values
+                p = Payload("coo", shape, torch.float32, torch.tensor([1.0, 2.0, 4.0]),
+                            torch.tensor([7, 7, 59], dtype=torch.int16))
+            else:
+                p = create(kind) if kind == "none" else create(kind, ratio=ratio)
+                p = p.compress(grad, "t", rnd)
+            want += p.decompress()
+            answer = agg.push(5, rnd, w, p)
+        assert torch.equal(answer.decompress(), want)
+        if answer.codec == "coo":
+            assert bool(answer.indices.long().diff().gt(0).all())  # a sorted union, no repeats
+    state = agg.keys[5]
+    for buf, clean in zip(state.buffers or (), state.clean):
+        assert not clean or not bool(buf.any())
+
+
+def test_sparse_rounds_answer_the_union_of_what_was_pushed():
+    agg = Aggregator(2)
+    g = torch.zeros(64, 100)
+    g[:, 3] = 1.0
+    a = create("adtopk", ratio=0.01).compress(g, "t")
+    b = create("adtopk", ratio=0.01).compress(-g, "t")  # cancels a exactly
+    agg.push(9, 0, 0, a)
+    answer = agg.push(9, 0, 1, b)
+    # sums that cancelled to zero are not sent back; the buffer is all zeros again
+    assert answer.codec == "coo" and answer.count == 0
+    assert torch.equal(answer.decompress(), torch.zeros(64, 100))
+    assert not bool(agg.keys[9].buffers[0].any()) and agg.keys[9].clean[0]
+    c = create("adtopk", ratio=0.01).compress(g, "t")
+    agg.push(9, 1, 0, c)
+    answer = agg.push(9, 1, 1, c)
+    assert answer.count == 64 and torch.equal(answer.decompress(), 2 * g)
