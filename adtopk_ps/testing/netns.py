@@ -33,7 +33,12 @@ def unavailable() -> str | None:
 @contextmanager
 def hosts(names: Sequence[str], subnet: str = "10.213.0", rate: str = "1gbit",
           delay: str = "0.2ms") -> Iterator[dict[str, tuple[str, str]]]:
-    """Yields {name: (namespace, address)}; every host's link is shaped with netem."""
+    """Yields {name: (namespace, address)}; every link is shaped in both directions.
+
+    The host's own end limits what it sends and the switch's end what it
+    receives, as a switch port of that rate would: a server that several
+    workers push to at once shares one link's rate among them.
+    """
     tag = f"adtk{os.getpid() % 100000}"
     switch = f"{tag}-sw"
     made = []
@@ -53,7 +58,8 @@ def hosts(names: Sequence[str], subnet: str = "10.213.0", rate: str = "1gbit",
             for dev in ("lo", "eth0"):
                 _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
-            shape(ns, rate, delay)
+            shape(ns, "eth0", rate, delay)
+            shape(switch, f"p{i}", rate, delay)
             out[name] = (ns, address)
         yield out
     finally:
@@ -61,9 +67,9 @@ def hosts(names: Sequence[str], subnet: str = "10.213.0", rate: str = "1gbit",
             _ip("netns", "del", ns, check=False)
 
 
-def shape(ns: str, rate: str, delay: str) -> None:
-    """netem (rate and delay) where the kernel has it, else tbf (rate only)."""
-    tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root"]
+def shape(ns: str, dev: str, rate: str, delay: str) -> None:
+    """netem (rate and delay) on what ``dev`` sends where the kernel has it, else tbf (rate only)."""
+    tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
     netem = subprocess.run(tc + ["netem", "delay", delay, "rate", rate], capture_output=True,
                            text=True, timeout=30)
     if netem.returncode != 0:
