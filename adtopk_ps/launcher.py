@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 from . import security
 from .cluster import ClusterConfig
+from .deathsig import guarded
 from .env import EnvError, env_int
 
 
@@ -36,7 +37,7 @@ class Child:
 
     def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], lock: threading.Lock):
         self.label = label
-        self.proc = subprocess.Popen(list(argv), env=dict(env), stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(guarded(argv), env=dict(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._pump = threading.Thread(target=self._copy, args=(lock,), daemon=True)
         self._pump.start()
@@ -168,7 +169,7 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
         from .scheduler import main as scheduler_main
         return scheduler_main()
     if config.role == "server":
-        return subprocess.call(_python_module("server"), env=env)
+        return subprocess.call(guarded(_python_module("server")), env=env)
     if not command:
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)

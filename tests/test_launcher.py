@@ -72,3 +72,50 @@ def test_local_mode_prefixes_output_and_returns_the_first_failure():
     assert result.returncode == 3
     assert "[worker 0] hello from 0" in result.stdout and "[worker 1] hello from 1" in result.stdout
     assert "worker 1 exited with status 3" in result.stdout
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = open(f"/proc/{pid}/stat").read().split(")")[-1].split()
+    return stat[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launcher_killed_with_sigkill_takes_its_role_process_along():
+    """A server still waiting for its address book (no scheduler is listening) would wait
+    out its registration timeout; with its launcher gone it ends within seconds."""
+    import time
+    env = {**{k: v for k, v in os.environ.items() if k not in CONTRACT}, **WORKER,
+           "DMLC_ROLE": "server", "DMLC_PS_ROOT_PORT": str(free_port()), "PS_REGISTER_TIMEOUT_S": "600"}
+    launcher = subprocess.Popen([sys.executable, "-m", "adtopk_ps.launcher"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (kids := _children(launcher.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kids, "the launcher started no role process"
+        time.sleep(1.0)  # the role process is now past exec, waiting to register
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(k) for k in kids), "the role process outlived its launcher"
+    finally:
+        launcher.kill()
+        for k in _children(launcher.pid):
+            os.kill(k, 9)
+
+
+def test_the_guard_refuses_a_parent_that_is_already_gone():
+    result = subprocess.run([sys.executable, "-m", "adtopk_ps.deathsig", "1", "true"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1 and "parent 1 is gone" in result.stderr
