@@ -97,3 +97,21 @@ def test_measured_costs_decide_routes(session):
     weight = model[0].weight
     expected_dense = not cost.sparse_pays(weight.numel(), 4, compression.compressor.ratio)
     assert compression.routes["0.weight"].dense == expected_dense
+
+
+@pytest.mark.parametrize("capacity, buckets", [(4 << 20, "1 bucket(s) holding 26"),
+                                               (700, "8 bucket(s) holding 26"), (0, "0 bucket(s)")])
+def test_fused_buckets_average_exactly(capacity, buckets):
+    """26 small dense tensors (6 linear layers, 6 norms, an unused layer): one bucket, several
+    small ones, or none; every averaged gradient equals the mean of both workers' own."""
+    import sys
+    from pathlib import Path
+
+    from procs import bpslaunch
+    program = Path(__file__).resolve().parent / "programs" / "fusion_check.py"
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
+                       sys.executable, str(program), str(capacity), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert f"worker 0: {buckets}" in result.stdout
+    assert "worker 0: fused averages exact" in result.stdout
+    assert "worker 1: fused averages exact" in result.stdout

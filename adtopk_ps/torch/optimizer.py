@@ -16,6 +16,7 @@ import torch
 from ..client import Handle
 from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
                            create)
+from .fusion import Bucket, fusion_bytes, plan_buckets
 from .runtime import client
 
 
@@ -72,7 +73,7 @@ class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step: int,
-               overlap: bool) -> None:
+               overlap: bool, fusion: int | None) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         in_groups = {id(p) for group in self.param_groups for p in group["params"]}
@@ -93,12 +94,19 @@ class _Distributed:
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}
         self._handles: dict[int, Handle] = {}
+        dense = {name for name, _ in self._named if self._compression.routes[name].dense}
+        self._buckets = plan_buckets(self._named, dense, fusion_bytes() if fusion is None else fusion)
+        self._bucket_of: dict[int, Bucket] = {id(p): b for b in self._buckets for p, _ in b.members}
+        self._bucket_handles: dict[str, Handle] = {}
         self._synchronized = False
         self._skip = False
         self._ps_steps = 0
         c = client()
         for name, p in self._named:
-            c.declare(name, p.detach())
+            if id(p) not in self._bucket_of:
+                c.declare(name, p.detach())
+        for bucket in self._buckets:
+            c.declare(bucket.name, bucket.buffer)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
                        for name, p in self._named] if overlap else []
 
@@ -110,7 +118,15 @@ class _Distributed:
                 self._start(name, p, p.grad)
         return hook
 
-    def _start(self, name: str, p: torch.Tensor, grad: torch.Tensor) -> None:
+    def _start(self, name: str, p: torch.Tensor, grad: torch.Tensor | None) -> None:
+        bucket = self._bucket_of.get(id(p))
+        if bucket is not None:
+            if bucket.put(p, grad):
+                self._bucket_handles[bucket.name] = client().push_pull(
+                    bucket.buffer, bucket.name, step=self._ps_steps, out=bucket.buffer)
+            return
+        if grad is None:
+            grad = torch.zeros_like(p)
         if id(p) in self._handles:
             raise RuntimeError(f"gradient of {name!r} pushed twice before step(); with gradient "
                                f"accumulation set backward_passes_per_step")
@@ -122,10 +138,15 @@ class _Distributed:
     def synchronize(self) -> None:
         """Wait for every gradient; parameters that got none this step push zeros."""
         for name, p in self._named:
-            if id(p) not in self._handles:
-                # every worker must push every key each step, or the others wait forever
-                self._start(name, p, p.grad if p.grad is not None else torch.zeros_like(p))
+            # every worker must push every key each step, or the others wait forever
+            bucket = self._bucket_of.get(id(p))
+            if id(p) not in self._handles and (bucket is None or id(p) not in bucket.ready):
+                self._start(name, p, p.grad)
+        for bucket in self._buckets:
+            bucket.unpack(self._bucket_handles.pop(bucket.name).wait())
         for _, p in self._named:
+            if id(p) in self._bucket_of:
+                continue
             averaged = self._handles.pop(id(p)).wait()
             if p.grad is None:
                 p.grad = averaged.to(p.dtype)
@@ -153,7 +174,7 @@ class _Distributed:
         return super().step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._handles:
+        if self._handles or self._bucket_handles:
             raise RuntimeError("zero_grad() while gradients are in flight; call step() or "
                                "synchronize() first")
         super().zero_grad(set_to_none=set_to_none)
@@ -177,7 +198,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: Compressor | str | Mapping | GradientCompression | None = None,
                          backward_passes_per_step: int = 1,
-                         overlap: bool = True) -> torch.optim.Optimizer:
+                         overlap: bool = True,
+                         fusion_bytes: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
     ``compression`` is a compressor, a name, a byteps-style dict
@@ -186,9 +208,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sends dense (biases, norms, small layers) skip the compressor.
     ``overlap=False`` pushes everything in ``step()`` instead of during the
     backward pass (the benchmarks use it to measure what overlap hides).
+    ``fusion_bytes`` caps the buckets that small dense gradients share
+    (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
     """
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap)
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes)
     return wrapped
