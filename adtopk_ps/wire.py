@@ -101,3 +101,18 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         raise WireError(f"{op} carries no tensor, but {len(frames) - 1} data frame(s) came with it")
     extra = {k: v for k, v in header.items() if k not in _ENVELOPE}
     return Message(op, header["key"], header["round"], header["sender"], payload, extra)
+
+
+def envelope(frames: Sequence) -> tuple[int, int]:
+    """Best-effort (key, round) of a message that ``decode`` refused, so the error reply
+    reaches the push it is about (a message over the size limit still has a readable
+    header); (0, 0) when even that cannot be read."""
+    try:
+        if memoryview(frames[0]).nbytes <= _MAX_HEADER_BYTES:
+            header = msgpack.unpackb(bytes(frames[0]), strict_map_key=True)
+            key, rnd = header["key"], header["round"]
+            if all(type(v) is int and 0 <= v < 1 << 63 for v in (key, rnd)):
+                return key, rnd
+    except Exception:  # anything unreadable gets the default
+        pass
+    return 0, 0

@@ -103,6 +103,8 @@ class Server:
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True)
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
         except (wire.WireError, PushRejected) as exc:
+            if isinstance(exc, wire.WireError):
+                key, rnd = wire.envelope(frames)
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
             send(self.data, wire.encode("error", key=key, round=rnd, message=str(exc)), identity)

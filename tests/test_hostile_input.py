@@ -1,9 +1,12 @@
 """A live server under malformed and hostile messages keeps serving honest workers exactly."""
+import itertools
 import threading
 
 import msgpack
+import pytest
 import torch
 import zmq
+from hypothesis import strategies as st
 
 from adtopk_ps import wire
 from adtopk_ps.compression import create
@@ -20,12 +23,22 @@ def _grad(shape, worker, rnd, i):
     return torch.randint(-8, 9, shape, generator=gen).float()
 
 
-def _honest(client, results, progress):
+def _honest(client, results, progress, stop=None):
+    """Rounds up to ``stop["at"]`` (ROUNDS without one): the test moves the end out while an
+    attack runs, and both workers must stop at the same round, or one waits for the other."""
     comp = create("adtopk", ratio=0.1)
-    for rnd in range(ROUNDS):
+    stop = {"at": ROUNDS} if stop is None else stop
+    for rnd in itertools.count():
+        if rnd >= stop["at"]:
+            return
         handles = [client.push_pull(_grad(s, client.rank, rnd, i), f"t{i}",
                                     comp if len(s) > 1 else None) for i, s in enumerate(SHAPES)]
-        results[(client.rank, rnd)] = [h.wait(30) for h in handles]
+        try:
+            results[(client.rank, rnd)] = [h.wait(30) for h in handles]
+        except Exception as exc:  # reported by the test, not lost in a thread
+            results["failed"] = f"worker {client.rank} round {rnd}: {exc!r}"
+            progress.set()
+            return
         progress.set()
 
 
@@ -92,3 +105,116 @@ def test_server_answers_every_bad_message_and_honest_rounds_stay_exact():
             c.shutdown()
         assert procs[1].wait(10) == 0
         assert "rejected" in procs[1].stderr.read()
+
+
+def test_limits_refuse_what_exceeds_them_and_the_server_keeps_serving():
+    """A message over PS_MAX_MESSAGE_BYTES, a key past PS_MAX_KEYS and a key whose buffers
+    would pass PS_SERVER_MAX_BYTES each get an error naming the limit; nothing is allocated
+    for them, and keys within the limits go on summing exactly."""
+    from adtopk_ps.client import PSClient, PushPullError
+    limits = {"PS_MAX_MESSAGE_BYTES": str(64 << 10), "PS_MAX_KEYS": "3",
+              "PS_SERVER_MAX_BYTES": "100000", "BYTEPS_PARTITION_BYTES": str(1 << 20)}
+    with roles(1, 1, **limits) as (config, procs):
+        client = PSClient(config)
+        ok = torch.arange(100.0)
+        assert torch.equal(client.push_pull(ok, "small").wait(10), ok)
+        with pytest.raises(PushPullError, match=r"message of \d+ bytes exceeds the limit of 65536"):
+            client.push_pull(torch.ones(20000), "too-long").wait(10)  # 80 KB in one key
+        with pytest.raises(PushPullError, match="needs 128000 bytes; the server holds 800 of its "
+                                                "100000 byte limit"):
+            client.push_pull(torch.ones(16000), "too-big").wait(10)  # 64 KB, in two buffers
+        assert torch.equal(client.push_pull(ok * 2, "second").wait(10), ok * 2)
+        assert torch.equal(client.push_pull(ok * 3, "third").wait(10), ok * 3)
+        with pytest.raises(PushPullError, match="limit of 3 keys"):
+            client.push_pull(ok, "fourth").wait(10)
+        assert torch.equal(client.push_pull(ok * 4, "small").wait(10), ok * 4)
+        assert procs[1].poll() is None
+        client.shutdown()
+
+
+_FIELDS = ["v", "op", "key", "round", "sender", "codec", "shape", "dtype", "vdtype", "idtype",
+           "count", "view", "k", "seed"]
+_VALUES = st.one_of(st.integers(-2**70, 2**70), st.integers(-3, 70), st.text(max_size=8), st.none(),
+                    st.lists(st.integers(-5, 2**40), max_size=5), st.binary(max_size=8),
+                    st.floats(allow_nan=True), st.booleans())
+MUTATIONS = st.one_of(
+    st.tuples(st.just("field"), st.sampled_from(_FIELDS), _VALUES),
+    st.tuples(st.just("drop-field"), st.sampled_from(_FIELDS)),
+    st.tuples(st.just("truncate"), st.integers(0, 2), st.integers(0, 400)),
+    st.tuples(st.just("drop-frame"), st.integers(0, 2)),
+    st.tuples(st.just("extra-frame"), st.binary(max_size=64)),
+    st.tuples(st.just("flip"), st.integers(0, 2), st.integers(0, 10**6), st.integers(1, 255)),
+)
+
+
+def _mutate(frames, mutation):
+    frames = [bytearray(f) for f in frames]
+    kind, *args = mutation
+    if kind in ("field", "drop-field"):
+        header = msgpack.unpackb(bytes(frames[0]))
+        if kind == "field":
+            header[args[0]] = args[1]
+        else:
+            header.pop(args[0], None)
+        frames[0] = bytearray(msgpack.packb(header))
+    elif kind == "truncate" and args[0] < len(frames):
+        frames[args[0]] = frames[args[0]][:args[1]]
+    elif kind == "drop-frame" and len(frames) > 1:
+        del frames[args[0] % len(frames)]
+    elif kind == "extra-frame":
+        frames.append(bytearray(args[0]))
+    elif kind == "flip" and args[0] < len(frames) and frames[args[0]]:
+        frames[args[0]][args[1] % len(frames[args[0]])] ^= args[2]
+    return [bytes(f) for f in frames]
+
+
+def test_structured_mutations_get_error_replies_and_honest_rounds_stay_exact():
+    """Hypothesis mutates valid pushes of every codec (header fields replaced by values of
+    any type or removed, frames truncated, dropped, added, bytes flipped) and sends them to
+    a live server while two honest workers run their rounds. Every message is answered
+    with an error; the honest sums stay exact and the server stays up."""
+    from hypothesis import HealthCheck, given, settings
+    bases = [wire.encode("push", key=999, round=0, sender=1,
+                         payload=create(name, ratio=0.2).compress(torch.randn(8, 40), "x", 0))
+             for name in ("adtopk", "topk", "randomk")]
+    bases.append(wire.encode("push", key=998, round=0, sender=1,
+                             payload=create("none").compress(torch.randn(30), "x", 0)))
+    with roles(2, 1) as (config, procs):
+        clients = procs_clients(config, 2)
+        results, progress = {}, threading.Event()
+        stop = {"at": 1 << 30}
+        threads = [threading.Thread(target=_honest, args=(c, results, progress, stop)) for c in clients]
+        for t in threads:
+            t.start()
+        assert progress.wait(30), "no honest round completed"  # both ranks are bound now
+        attacker = zmq.Context.instance().socket(zmq.DEALER)
+        attacker.setsockopt(zmq.LINGER, 0)
+        attacker.connect(clients[0].servers[0])
+        kinds = set()
+
+        @settings(max_examples=150, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.sampled_from(range(len(bases))), MUTATIONS)
+        def attack(base, mutation):
+            attacker.send_multipart(_mutate([bytes(f) for f in bases[base]], mutation))
+            assert attacker.poll(15000), f"no reply to {mutation!r}"
+            reply = wire.decode(attacker.recv_multipart())
+            assert reply.op == "error" and reply.extra["message"], mutation
+            kinds.add(mutation[0])
+
+        attack()
+        attacker.close()
+        during = len(results)
+        stop["at"] = max(k[1] for k in list(results) if k != "failed") + 2  # BSP: a round apart at most
+        for t in threads:
+            t.join(60)
+        assert "failed" not in results, results["failed"]
+        assert len(kinds) == 6
+        assert during > 2 * ROUNDS  # honest rounds went on while the attack ran
+        assert len(results) % 2 == 0 and all((1 - r, n) in results for r, n in results)
+        for (rank, rnd), outs in results.items():
+            for i, (shape, got) in enumerate(zip(SHAPES, outs)):
+                assert torch.equal(got, _expected(rnd, i, shape)), (rank, rnd, i)
+        assert procs[1].poll() is None
+        for c in clients:
+            c.shutdown()
