@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from procs import FAST
+from procs import FAST, selfcheck
 
 
 def _alive_with(marker: str) -> list[int]:
@@ -82,3 +82,20 @@ def test_scheduler_killed_ends_every_role_naming_it():
     for role in ("worker 0", "worker 1", "worker 2", "server 0", "server 1"):
         assert re.search(rf"\[{role}\] .*scheduler at tcp://127\.0\.0\.1:\d+ silent for", out), \
             (role, out[-3000:])
+
+
+def test_a_slow_worker_delays_the_others_but_every_aggregate_stays_exact(tmp_path):
+    """Worker 1 sleeps 0.4 s before every round: the job completes with every sum exact,
+    and the others' rounds take about that long (they wait for it), while its own do not."""
+    import json
+    import statistics
+    report = str(tmp_path / "{rank}.json")
+    result = selfcheck(3, 2, "--rounds", "8", "--slow-rank", "1", "--slow-seconds", "0.4",
+                       "--report", report)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert result.stdout.count("selfcheck passed") == 3
+    waits = {r: statistics.median(json.load(open(report.format(rank=r)))["latencies_s"])
+             for r in range(3)}
+    print(f"median round latency by rank: {waits}")
+    assert waits[0] > 0.3 and waits[2] > 0.3  # they waited for the straggler
+    assert waits[1] < 0.2  # its pushes come last, so its rounds complete at once

@@ -99,3 +99,49 @@ def test_policy_density_follows_the_compressor_however_the_config_spells_it():
         compression = make_compression({**DEFAULTS, "compression": spec})
         assert compression.policy.ratio == compression.compressor.ratio
     assert make_compression({**DEFAULTS, "compression": {"compressor": "none"}}).compressor is None
+
+
+def test_a_job_killed_by_a_lost_server_resumes_from_its_last_checkpoint(tmp_path):
+    """A server is SIGKILLed mid-run: the job ends naming it. Relaunched with the same
+    config, it continues from the last checkpoint with the parameters, optimizer state and
+    residuals an uninterrupted run has at that step (equal checksums from there on)."""
+    import os
+    import signal
+    import time
+
+    from procs import FAST
+    straight = _train(2, 1, "--steps", "40", "--checksums")
+    assert straight.returncode == 0, straight.stdout[-3000:]
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "2",
+           "--num-servers", "1", "--timeout", "200", "--", sys.executable, "-m", "worker",
+           "--config", CONFIG, "--steps", "40", "--checksums", "--checkpoint-dir", str(tmp_path),
+           "--set", "checkpoint_every=5"]
+    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    lines, killed_at = [], None
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if killed_at is None and re.search(r"checksum step 17:", line):
+                ps = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(launcher.pid)],
+                                    capture_output=True, text=True).stdout
+                server = next(int(row.split()[0]) for row in ps.splitlines() if "-m server" in row)
+                os.kill(server, signal.SIGKILL)
+                killed_at = time.monotonic()
+        launcher.wait(60)
+    finally:
+        launcher.kill()
+    out = "".join(lines)
+    assert killed_at is not None, out[-3000:]
+    assert launcher.returncode != 0 and time.monotonic() - killed_at < 20
+    assert re.search(r"server 0 \(tcp://127\.0\.0\.1:\d+\) lost", out), out[-3000:]
+    reached = max(_checksums(out))
+    assert 17 <= reached < 40
+    resumed = _train(2, 1, "--steps", "40", "--checksums", "--checkpoint-dir", str(tmp_path))
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    want, got = _checksums(straight.stdout), _checksums(resumed.stdout)
+    start = min(got)
+    assert start == 5 * (reached // 5) + 1 or start == 5 * ((reached - 1) // 5) + 1, (start, reached)
+    assert sorted(got) == list(range(start, 41))
+    for step in range(start, 41):
+        assert got[step] == want[step], step

@@ -7,10 +7,15 @@ integers, so sums are exact in any order and results compare bit for bit.
 
     bpslaunch --local --num-workers 2 --num-servers 2 -- \\
         python -m worker.selfcheck --compressor adtopk --ratio 0.05 --ef --rounds 20
+
+``--report FILE`` writes each round's latency (first push to last answer) as
+JSON, for the soak benchmark; ``--slow-rank R --slow-seconds S`` makes rank R
+sleep before every round, the test hook for a straggler.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -66,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sleep", type=float, default=0.0, help="seconds to pause after each round")
     ap.add_argument("--shuffle", action="store_true",
                     help="push the tensors in a different random order on every worker and round")
+    ap.add_argument("--report", help="write per-round latencies to this JSON file ({rank} is "
+                                     "replaced by the worker's rank)")
+    ap.add_argument("--every", type=int, default=1, help="print a progress line every N rounds")
+    ap.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps before every round")
+    ap.add_argument("--slow-seconds", type=float, default=0.0)
     args = ap.parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes]
     dtype = DTYPES[args.dtype]
@@ -80,20 +90,26 @@ def main(argv: list[str] | None = None) -> int:
     for name, shape in zip(names, shapes):
         client.declare(name, torch.empty(shape, dtype=dtype))
     start = time.perf_counter()
+    latencies: list[float] = []
     try:
         order = list(range(len(shapes)))
         for rnd in range(args.rounds):
+            if rank == args.slow_rank:
+                time.sleep(args.slow_seconds)
             if args.shuffle:
                 random.Random(rank * 7919 + rnd).shuffle(order)
+            every = {i: [gradient(shapes[i], dtype, w, rnd, i, args.seed) for w in range(size)]
+                     for i in order}
             handles = []
+            began = time.perf_counter()
             for i in order:
-                name, shape = names[i], shapes[i]
-                grads = [gradient(shape, dtype, w, rnd, i, args.seed) for w in range(size)]
+                name, shape, grads = names[i], shapes[i], every[i]
                 # dense tensors and the 1-D ones go dense, as the policy would send them
                 comp = mine if len(shape) >= 2 else create("none")
                 handles.append((name, client.push_pull(grads[rank], name, comp), grads))
-            for name, handle, grads in handles:
-                got = handle.wait()
+            answers = [handle.wait() for _, handle, _ in handles]
+            latencies.append(time.perf_counter() - began)
+            for (name, _, grads), got in zip(handles, answers):
                 comps = twins if len(grads[0].shape) >= 2 else [create("none")] * size
                 want = expected(comps, grads, name, rnd, client.config.partition_bytes)
                 if not torch.equal(got, want):
@@ -101,11 +117,16 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"worker {rank}: round {rnd} tensor {name}: {bad} of {want.numel()} "
                           f"elements differ from the expected aggregate", flush=True)
                     return 1
-            print(f"worker {rank}: round {rnd} ok", flush=True)
+            if (rnd + 1) % args.every == 0:
+                print(f"worker {rank}: round {rnd} ok", flush=True)
             if args.sleep:
                 time.sleep(args.sleep)
         wall = time.perf_counter() - start
         client.barrier()
+        if args.report:
+            with open(args.report.format(rank=rank), "w") as f:
+                json.dump({"rank": rank, "rounds": args.rounds, "wall_s": wall,
+                           "latencies_s": latencies}, f)
         print(f"worker {rank}: selfcheck passed: {args.rounds} rounds x {len(shapes)} tensors, "
               f"{args.rounds / wall:.1f} rounds/s, pushed {client.bytes_pushed} B, "
               f"pulled {client.bytes_pulled} B", flush=True)
