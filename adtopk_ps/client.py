@@ -162,8 +162,9 @@ class PSClient:
         ``tensor`` itself, as a key's answer comes only after the server has
         every push of it, this worker's included. ``ratio`` overrides the
         compressor's density for this tensor (the partial-sparsification
-        policy's per-layer choice); ``step`` is what the compressor sees (default: how often this name was pushed), which a
-        resumed job sets so that seeds and schedules continue.
+        policy's per-layer choice); ``step`` is what the compressor sees
+        (default: how often this name was pushed), which a resumed job sets
+        so that seeds and schedules continue.
         """
         self._check()
         meta = self._declare(name, tensor)

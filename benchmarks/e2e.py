@@ -306,7 +306,9 @@ def main() -> None:
                         try:
                             result = run_system(net, system, model, args)
                         except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                            result = {"error": str(exc).splitlines()[0]}
+                            lines = str(exc).splitlines()
+                            result = {"error": next((ln.strip() for ln in reversed(lines) if "Error" in ln),
+                                                    lines[0])}
                             print(str(exc)[-3000:], file=sys.stderr, flush=True)
                         print(f"{model} {link} W={workers} {system} trial {trial}: {result}", flush=True)
                         best = by_system[system]

@@ -15,14 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = netns.unavailable()
 
 
-@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
-def test_training_across_namespaced_hosts_on_shaped_links():
+def _train_on_hosts(loss: float = 0.0) -> tuple[dict, dict]:
+    """30 training steps with every role on its own host; ``loss``: the share of packets
+    each worker's link drops both ways. Returns the hosts and every role's output."""
     names = ["scheduler", "server0", "server1", "worker0", "worker1"]
     with netns.hosts(names, rate="1gbit", delay="0.2ms") as net:
         qdisc = subprocess.run(["ip", "netns", "exec", net["worker0"][0], "tc", "qdisc", "show",
                                 "dev", "eth0"], capture_output=True, text=True, check=True).stdout
         # the link is really shaped (netem adds the delay where the kernel has it)
         assert "rate 1Gbit" in qdisc and ("netem" not in qdisc or "delay 200us" in qdisc)
+        if loss:
+            for worker in ("worker0", "worker1"):
+                netns.drop(net[worker][0], loss)
         base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
         base.update(FAST, DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
                     DMLC_NUM_SERVER="2", DMLC_NUM_WORKER="2", BYTEPS_LOCAL_SIZE="1")
@@ -39,7 +43,7 @@ def test_training_across_namespaced_hosts_on_shaped_links():
                 procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
                                            env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                            text=True, cwd=ROOT)
-            outputs = {name: p.communicate(timeout=180)[0] for name, p in procs.items()}
+            outputs = {name: p.communicate(timeout=240)[0] for name, p in procs.items()}
         finally:
             for p in procs.values():
                 if p.poll() is None:
@@ -47,9 +51,33 @@ def test_training_across_namespaced_hosts_on_shaped_links():
                     p.wait()
         for name, p in procs.items():
             assert p.returncode == 0, (name, outputs[name][-2000:])
+    return net, outputs
+
+
+def _checksums(output: str) -> list[tuple[str, str]]:
+    return re.findall(r"checksum step (\d+): (\w+)", output)
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_training_across_namespaced_hosts_on_shaped_links():
+    net, outputs = _train_on_hosts()
     # servers registered from their own hosts' addresses, found by routing to the scheduler
     for server in ("server0", "server1"):
         assert f"registered server at tcp://{net[server][1]}:" in outputs["scheduler"]
-    sums = [re.findall(r"checksum step (\d+): (\w+)", outputs[w]) for w in ("worker0", "worker1")]
+    sums = [_checksums(outputs[w]) for w in ("worker0", "worker1")]
     assert len(sums[0]) == 30 and sums[0] == sums[1]
     assert re.search(r"summary: accuracy=0\.[5-9]", outputs["worker0"])
+
+
+LOSS_SKIP = SKIP or netns.loss_unavailable()
+
+
+@pytest.mark.skipif(LOSS_SKIP is not None, reason=LOSS_SKIP or "")
+def test_lossy_links_give_the_clean_run_exactly():
+    """3% of the packets on each worker's link are dropped, both ways: TCP resends them, and
+    every step's parameters equal the clean run's."""
+    _, clean = _train_on_hosts()
+    _, lossy = _train_on_hosts(loss=0.03)
+    for worker in ("worker0", "worker1"):
+        assert len(_checksums(lossy[worker])) == 30
+        assert _checksums(lossy[worker]) == _checksums(clean[worker])

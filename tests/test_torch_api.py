@@ -115,3 +115,24 @@ def test_fused_buckets_average_exactly(capacity, buckets):
     assert f"worker 0: {buckets}" in result.stdout
     assert "worker 0: fused averages exact" in result.stdout
     assert "worker 1: fused averages exact" in result.stdout
+
+
+def test_channels_last_gradients_are_averaged_too(session):
+    """A channels_last convolution's gradient is not contiguous: its answer goes through a
+    buffer of its own and is copied back, for the dense and the sparse path alike."""
+    from adtopk_ps.compression import SparsificationPolicy
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(16, 32, 3).to(memory_format=torch.channels_last)
+    compression = bps.GradientCompression({"compressor": "adtopk", "k": 0.1},
+                                          SparsificationPolicy(0.1, min_compress_bytes=0))
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), compression)
+    model(torch.randn(2, 16, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    assert not model.weight.grad.is_contiguous()
+    local = model.weight.grad.clone()
+    opt.synchronize()
+    kept = model.weight.grad != 0
+    assert torch.equal(model.weight.grad[kept], local[kept])  # W=1: the kept entries unchanged
+    assert 0 < int(kept.sum()) < local.numel()
+    with opt.skip_synchronize():
+        opt.step()

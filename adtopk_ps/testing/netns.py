@@ -81,3 +81,23 @@ def shape(ns: str, dev: str, rate: str, delay: str) -> None:
 
 def run_in(ns: str, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
     return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **popen)
+
+
+def loss_unavailable() -> str | None:
+    """Why random packet loss cannot be added here, or None."""
+    if shutil.which("iptables") is None:
+        return "needs iptables (Debian package iptables) for random packet loss"
+    return None
+
+
+def drop(ns: str, share: float) -> None:
+    """Drop a random ``share`` of the packets a host sends and of those it receives.
+
+    An iptables ``statistic`` rule, which works where the kernel lacks netem
+    (as this machine's does); TCP retransmits what is lost, so a job must
+    come out exactly as on a clean link, only later.
+    """
+    for chain in ("OUTPUT", "INPUT"):
+        subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", chain, "-m", "statistic",
+                        "--mode", "random", "--probability", str(share), "-j", "DROP"],
+                       check=True, capture_output=True, text=True, timeout=30)

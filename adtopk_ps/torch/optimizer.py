@@ -132,8 +132,9 @@ class _Distributed:
                                f"accumulation set backward_passes_per_step")
         comp, ratio = self._compression.for_tensor(name)
         # the average lands in the gradient's own memory: no buffer to allocate, no copy after
+        # (a non-contiguous one, e.g. channels_last, gets a buffer: answers land in flat views)
         self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps,
-                                                  out=grad)
+                                                  out=grad if grad.is_contiguous() else None)
 
     def synchronize(self) -> None:
         """Wait for every gradient; parameters that got none this step push zeros."""
