@@ -100,3 +100,20 @@ def test_write_into_with_a_divisor_equals_dividing_afterwards(name, divisor):
     if name != "none":  # the flat positions are exactly where the values land
         flat = payload.decompress().view(-1)
         assert torch.equal(flat[payload.flat_positions()], payload.values.reshape(-1))
+
+
+def test_atheris_finds_nothing_but_named_errors(tmp_path):
+    """Coverage-guided fuzzing of the server's whole input path (decode, then aggregate),
+    from a corpus of valid messages of every codec, for a bounded number of runs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("atheris")
+    program = str(Path(__file__).resolve().parent / "programs" / "fuzz_wire.py")
+    corpus = tmp_path / "corpus"
+    subprocess.run([sys.executable, program, "--seeds", str(corpus)], check=True, timeout=120)
+    result = subprocess.run([sys.executable, program, str(corpus), "-runs=300000",
+                             "-max_total_time=60", "-rss_limit_mb=2048"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Done" in result.stderr and "cov:" in result.stderr
