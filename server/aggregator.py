@@ -80,12 +80,11 @@ class KeyState:
         values = flat[union]
         nonzero = values != 0  # zero rows (dead units) are pushed too; they need not come back
         union, values = union[nonzero], values[nonzero]
-        idtype = index_dtype(flat.numel())
-        if union.numel() * (flat.element_size() + idtype.itemsize) >= flat.numel() * flat.element_size():
+        if dense_is_smaller(union.numel(), flat):
             return Payload("dense", self.shape, self.dtype, flat)  # the buffer stays as it is
         flat.index_fill_(0, union, 0)
         self.clean[which] = True
-        return Payload("coo", self.shape, self.dtype, values, union.to(idtype))
+        return Payload("coo", self.shape, self.dtype, values, union.to(index_dtype(flat.numel())))
 
 
 def union_of(positions: list[torch.Tensor]) -> torch.Tensor:
@@ -99,6 +98,12 @@ def union_of(positions: list[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(ordered[first])
 
 
+def dense_is_smaller(count: int, flat: torch.Tensor) -> bool:
+    """Whether ``count`` (value, position) pairs take at least the bytes of ``flat`` dense."""
+    itemsize = flat.element_size()
+    return count * (itemsize + index_dtype(flat.numel()).itemsize) >= flat.numel() * itemsize
+
+
 def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
     """The smaller of the sparse union and the dense tensor.
 
@@ -106,17 +111,14 @@ def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
     union when even that many could not beat the dense encoding.
     """
     flat = aggregate.view(-1)
-    idtype = index_dtype(flat.numel())
-    itemsize = aggregate.element_size()
-    per_entry = itemsize + idtype.itemsize
     dense = Payload("dense", tuple(aggregate.shape), aggregate.dtype, flat)
-    if union_bound is not None and union_bound * per_entry >= flat.numel() * itemsize:
+    if union_bound is not None and dense_is_smaller(union_bound, flat):
         return dense
-    if int(torch.count_nonzero(flat)) * per_entry >= flat.numel() * itemsize:
+    if dense_is_smaller(int(torch.count_nonzero(flat)), flat):
         return dense
     positions = torch.nonzero(flat).view(-1)
     return Payload("coo", tuple(aggregate.shape), aggregate.dtype, flat[positions],
-                   positions.to(idtype))
+                   positions.to(index_dtype(flat.numel())))
 
 
 class Aggregator:
