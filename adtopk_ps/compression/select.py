@@ -10,10 +10,18 @@ import math
 import numpy as np
 import torch
 
+try:
+    from . import _fibre
+except ImportError:  # built without a C compiler: the torch kernels below do the work
+    _fibre = None
+
 # Fibres shorter than this sort faster in one go (measured: benchmarks/compression.py).
 _MIN_TWO_STAGE = 1024
 # Group sizes outside this range measured slower on every layer shape tried.
 _MIN_GROUP, _MAX_GROUP = 4, 8
+# The compiled kernel (_fibre.c) needs 4k groups of at least 4 entries per fibre; below
+# that share of a fibre the torch selections measured as fast anyway.
+_MAX_KERNEL_SHARE = 1 / 16
 # dtypes numpy can partition (it has no bfloat16)
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
@@ -48,6 +56,8 @@ def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     (which balances the two top-k calls).
     """
     n = x.shape[1]
+    if k < n and _kernel_applies(x, k):
+        return _kernel_topk(x, k)
     if k >= n:
         shape = [1] * x.dim()
         shape[1] = n
@@ -79,6 +89,20 @@ def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     if tail:
         positions = torch.where(best >= c * k, best - c * k + c * m, positions)
     return positions
+
+
+def _kernel_applies(x: torch.Tensor, k: int) -> bool:
+    return (_fibre is not None and x.device.type == "cpu" and x.dtype == torch.float32
+            and x.is_contiguous() and k <= max(1, x.shape[1] * _MAX_KERNEL_SHARE))
+
+
+def _kernel_topk(x: torch.Tensor, k: int) -> torch.Tensor:
+    lead, n = x.shape[0], x.shape[1]
+    rest = math.prod(x.shape[2:])
+    out = torch.empty((lead, k, *x.shape[2:]), dtype=torch.int64)
+    if out.numel():
+        _fibre.fibre_topk(x.data_ptr(), lead, n, rest, k, out.data_ptr())
+    return out
 
 
 def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
