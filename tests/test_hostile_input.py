@@ -134,7 +134,7 @@ def test_limits_refuse_what_exceeds_them_and_the_server_keeps_serving():
 
 _FIELDS = ["v", "op", "key", "round", "sender", "codec", "shape", "dtype", "vdtype", "idtype",
            "count", "view", "k", "seed"]
-_VALUES = st.one_of(st.integers(-2**70, 2**70), st.integers(-3, 70), st.text(max_size=8), st.none(),
+_VALUES = st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-3, 70), st.text(max_size=8), st.none(),
                     st.lists(st.integers(-5, 2**40), max_size=5), st.binary(max_size=8),
                     st.floats(allow_nan=True), st.booleans())
 MUTATIONS = st.one_of(
