@@ -1,15 +1,14 @@
-/* Per-fibre top-k by magnitude in one pass over the tensor, without the GIL.
+/* Per-fibre top-k by magnitude, without the GIL.
  *
  * A tensor viewed as [lead, n, rest] has lead * rest fibres x[a, :, j] of
- * length n. A fibre is filtered against a threshold sixteen entries at a time
- * (vector compares, no branch per entry); the few entries that beat it go to
- * a candidate buffer of 4k. When the buffer fills, a quickselect keeps its k
- * largest and raises the threshold to the smallest of them, so after the
- * first few hundred entries almost nothing passes the filter and the pass
- * costs about as much as reading the fibre.
+ * length n. For each fibre one vectorised pass finds the largest |x| of each
+ * strided group of entries; the k-th largest group maximum bounds the k-th
+ * largest entry from below, so only the groups reaching it are read again,
+ * into a candidate buffer of 4k that a branch-free quickselect compacts.
+ * Short fibres and fibres holding a NaN stream every entry through the buffer.
  *
  * The torch kernels this replaces (a scoring pass, two selections and their
- * gathers) read the tensor several times and allocate; this reads it once.
+ * gathers) allocate and read the tensor several times.
  * Positions are written as int64 into out[a, t, j] (t < k, unordered).
  */
 #define PY_SSIZE_T_CLEAN
