@@ -23,6 +23,7 @@ import time
 from typing import Mapping, Sequence
 
 from . import security
+from .allocator import keep_freed_memory
 from .cluster import ClusterConfig
 from .deathsig import guarded
 from .env import EnvError, env_int
@@ -89,7 +90,7 @@ def free_port() -> int:
 def run_local(num_workers: int, num_servers: int, command: Sequence[str],
               timeout: float | None = None, environ: Mapping[str, str] | None = None) -> int:
     """A whole cluster on this host; returns the first failure's status, or 0."""
-    base = dict(os.environ if environ is None else environ)
+    base = keep_freed_memory(os.environ if environ is None else environ)
     base.update({
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
         "DMLC_NUM_WORKER": str(num_workers), "DMLC_NUM_SERVER": str(num_servers),
@@ -169,13 +170,14 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
         from .scheduler import main as scheduler_main
         return scheduler_main()
     if config.role == "server":
-        return subprocess.call(guarded(_python_module("server")), env=env)
+        return subprocess.call(guarded(_python_module("server")), env=keep_freed_memory(env))
     if not command:
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)
     env["BYTEPS_LOCAL_SIZE"] = str(size)
     ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract
     lock = threading.Lock()
+    env = keep_freed_memory(env)
     children = [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
                       command, {**env, "BYTEPS_LOCAL_RANK": str(rank)}, lock)
                 for rank in range(size)]

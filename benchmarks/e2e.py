@@ -7,9 +7,11 @@ links shaped with tc, all in one invocation.
     sudo python benchmarks/e2e.py --scaling --links 1gbit   # model size and W
 
 Each worker first times forward+backward alone (compute), then the timed
-steps. Every system runs --trials times, in alternating order, and the
-report keeps its fastest run: this machine is shared, and a slow run says
-more about its neighbours than about the system. Reported per step: the whole step, compute, compression (PS), the
+steps. Every worker, ours and DDP's, runs with the allocator settings
+bpslaunch gives its roles (adtopk_ps/allocator.py). Every system runs
+--trials times, in alternating order, and the report keeps its fastest run:
+this machine is shared, and a slow run says more about its neighbours than
+about the system. Reported per step: the whole step, compute, compression (PS), the
 wait for answers after backward (PS), and what is left (communication not
 hidden by the backward pass). "hidden" is the share of ADTopk's compression
 and communication that overlap hides: 1 - (overlapped step - compute) /
@@ -159,11 +161,13 @@ def worker(args: argparse.Namespace) -> None:
 # --- the driver ------------------------------------------------------------------------
 
 def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
+    from adtopk_ps.allocator import keep_freed_memory
     from adtopk_ps.testing import netns
     kind = SYSTEMS[system]["kind"]
     workers = [f"worker{i}" for i in range(args.workers)]
     roles = (["scheduler"] + [f"server{i}" for i in range(args.servers)] if kind == "ps" else []) + workers
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+    # DDP's workers get the allocator settings bpslaunch gives ours, so compute costs the same
+    env = keep_freed_memory({k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))})
     env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
                DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",

@@ -69,3 +69,55 @@ def test_adtopk_uses_the_kernel_on_layer_shapes(shape):
     assert select._kernel_applies(x, k)
     assert torch.equal(magnitudes(x, select.fibre_topk(x, k)),
                        magnitudes(x, torch_positions(x, k)))
+
+
+def unfused(ef):
+    """The same error-feedback compressor with the fused kernel switched off."""
+    ef.inner.compress_with_feedback = lambda *args: None
+    return ef
+
+
+@settings(max_examples=80, deadline=None)
+@given(lead=st.integers(1, 5), n=st.sampled_from([64, 200, 1024, 4096]),
+       rest=st.sampled_from([(), (3,), (2, 3)]), ratio=st.sampled_from([0.01, 0.03, 0.06]),
+       name=st.sampled_from(["adtopk", "adtopk-i"]), layout=st.sampled_from(["axis", "rows"]),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_error_feedback_equals_the_three_passes(lead, n, rest, ratio, name, layout, ties, seed):
+    # compensate + select + residual update in one kernel: same payloads, same residuals, bit for bit
+    from adtopk_ps.compression import create
+    gen = torch.Generator().manual_seed(seed)
+    spec = {"compressor": name, "k": ratio, "ef": "vanilla", "layout": layout}
+    fused, plain = create(spec), unfused(create(spec))
+    for step in range(4):
+        g = torch.randn((lead, n, *rest), generator=gen)
+        if ties:  # the fused kernel selects like the unfused one, ties included
+            g = (g * 2).round()
+        kept = fused.memory.residuals.get("w", torch.zeros_like(g)) + g
+        a, b = fused.compress(g, "w", step), plain.compress(g, "w", step)
+        assert (a.codec, a.shape, a.view) == (b.codec, b.shape, b.view)
+        assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+        assert torch.equal(fused.memory.residuals["w"], plain.memory.residuals["w"])
+        # what error feedback rests on: what was sent plus what is kept is g + r
+        assert torch.equal(a.decompress() + fused.memory.residuals["w"], kept)
+
+
+def test_fused_path_is_taken_on_layer_shapes():
+    from adtopk_ps.compression import create
+    ef = create({"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+    g = torch.randn(250, 4096)
+    ef.compress(g, "w")  # the first call creates the residual
+    residual = ef.memory.residuals["w"]
+    before = residual.clone() + g
+    payload = ef.inner.compress_with_feedback(g, residual, "w")
+    assert payload is not None and payload.values.shape == (250, 40)
+    assert torch.equal(payload.decompress() + residual, before)
+
+
+def test_fused_path_declines_what_it_cannot_do():
+    from adtopk_ps.compression import create
+    half = create({"compressor": "adtopk", "k": 0.01, "ef": "vanilla", "value_dtype": "fp16"})
+    g = torch.randn(64, 1024)
+    assert half.inner.compress_with_feedback(g, torch.zeros_like(g), "w") is None
+    plain = create({"compressor": "adtopk", "k": 0.01})
+    r = torch.zeros(64, 1024, dtype=torch.float64)
+    assert plain.compress_with_feedback(g.double(), r, "w") is None and not r.any()

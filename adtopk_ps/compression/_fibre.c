@@ -178,20 +178,50 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
         out[t * out_stride] = c->pos[t];
 }
 
-static PyObject *fibre_topk(PyObject *self, PyObject *args)
+/* Every fibre of the [lead, n, rest] tensor x, slab x[a] by slab. With grad (error
+ * feedback), x is the residual: each slab first becomes x + grad, then its selected entries
+ * are copied into values ([lead, k, rest]) and zeroed, so x ends as what was not sent. The
+ * slab is still in cache for the selection and for both writes, where separate torch
+ * passes read the whole tensor from memory three times. */
+static void select_all(float *x, const float *grad, float *values, Py_ssize_t lead, Py_ssize_t n,
+                       Py_ssize_t rest, Candidates *c, float *fibre, int64_t *out)
 {
-    unsigned long long x_addr, out_addr;
-    Py_ssize_t lead, n, rest, k;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "KnnnnK", &x_addr, &lead, &n, &rest, &k, &out_addr))
-        return NULL;
+    Py_ssize_t k = c->k;
+    for (Py_ssize_t a = 0; a < lead; a++) {
+        float *slab = x + a * n * rest;
+        int64_t *dst = out + a * k * rest;
+        if (grad != NULL) {
+            const float *g = grad + a * n * rest;
+            for (Py_ssize_t i = 0; i < n * rest; i++)
+                slab[i] += g[i];
+        }
+        for (Py_ssize_t j = 0; j < rest; j++) {
+            const float *f = slab;
+            if (rest > 1) {  /* gather the strided fibre first */
+                for (Py_ssize_t i = 0; i < n; i++)
+                    fibre[i] = slab[i * rest + j];
+                f = fibre;
+            }
+            select_fibre(f, n, c, dst + j, rest);
+            if (values == NULL)
+                continue;
+            for (Py_ssize_t t = 0; t < k; t++) {
+                float *e = slab + dst[j + t * rest] * rest + j;
+                values[a * k * rest + t * rest + j] = *e;
+                *e = 0.0f;
+            }
+        }
+    }
+}
+
+static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead, Py_ssize_t n,
+                     Py_ssize_t rest, Py_ssize_t k, int64_t *out)
+{
     if (lead < 0 || rest < 1 || k < 1 || k > n) {
         PyErr_Format(PyExc_ValueError, "fibre_topk: bad sizes lead=%zd n=%zd rest=%zd k=%zd",
                      lead, n, rest, k);
         return NULL;
     }
-    const float *x = (const float *)(uintptr_t)x_addr;
-    int64_t *out = (int64_t *)(uintptr_t)out_addr;
     Candidates c = {NULL, NULL, NULL, NULL, k, 0, 4 * k};
     size_t groups = (size_t)(n / 4) + 1;  /* at most this many maxima */
     c.value = malloc(sizeof(float) * (size_t)c.cap);
@@ -199,41 +229,54 @@ static PyObject *fibre_topk(PyObject *self, PyObject *args)
     c.maxima = malloc(sizeof(float) * groups);
     c.pos = malloc(sizeof(int64_t) * (size_t)c.cap);
     float *fibre = rest > 1 ? malloc(sizeof(float) * (size_t)n) : NULL;
+    PyObject *result = NULL;
     if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL || (rest > 1 && fibre == NULL)) {
-        free(c.value);
-        free(c.scratch);
-        free(c.maxima);
-        free(c.pos);
-        free(fibre);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        select_all(x, grad, values, lead, n, rest, &c, fibre, out);
+        Py_END_ALLOW_THREADS
+        result = Py_None;
+        Py_INCREF(result);
     }
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t a = 0; a < lead; a++) {
-        const float *slab = x + a * n * rest;
-        int64_t *dst = out + a * k * rest;
-        if (rest == 1) {
-            select_fibre(slab, n, &c, dst, 1);
-            continue;
-        }
-        for (Py_ssize_t j = 0; j < rest; j++) {  /* gather the strided fibre first */
-            for (Py_ssize_t i = 0; i < n; i++)
-                fibre[i] = slab[i * rest + j];
-            select_fibre(fibre, n, &c, dst + j, rest);
-        }
-    }
-    Py_END_ALLOW_THREADS
     free(c.value);
     free(c.scratch);
     free(c.maxima);
     free(c.pos);
     free(fibre);
-    Py_RETURN_NONE;
+    return result;
+}
+
+static PyObject *fibre_topk(PyObject *self, PyObject *args)
+{
+    unsigned long long x_addr, out_addr;
+    Py_ssize_t lead, n, rest, k;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnnnnK", &x_addr, &lead, &n, &rest, &k, &out_addr))
+        return NULL;
+    return run((float *)(uintptr_t)x_addr, NULL, NULL, lead, n, rest, k,
+               (int64_t *)(uintptr_t)out_addr);
+}
+
+static PyObject *fibre_topk_feedback(PyObject *self, PyObject *args)
+{
+    unsigned long long r_addr, g_addr, out_addr, values_addr;
+    Py_ssize_t lead, n, rest, k;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKnnnnKK", &r_addr, &g_addr, &lead, &n, &rest, &k, &out_addr,
+                          &values_addr))
+        return NULL;
+    return run((float *)(uintptr_t)r_addr, (const float *)(uintptr_t)g_addr,
+               (float *)(uintptr_t)values_addr, lead, n, rest, k, (int64_t *)(uintptr_t)out_addr);
 }
 
 static PyMethodDef methods[] = {
     {"fibre_topk", fibre_topk, METH_VARARGS,
      "fibre_topk(x_ptr, lead, n, rest, k, out_ptr): positions of the k largest |x| "
      "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]."},
+    {"fibre_topk_feedback", fibre_topk_feedback, METH_VARARGS,
+     "fibre_topk_feedback(r_ptr, g_ptr, lead, n, rest, k, out_ptr, values_ptr): r += g, then "
+     "fibre_topk of r; the selected entries of r go to values [lead, k, rest] and become 0."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -13,7 +13,7 @@ import torch
 
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, index_dtype
-from .select import fibre_topk, global_topk
+from .select import fibre_topk, fibre_topk_feedback, global_topk
 
 LAYOUTS = ("axis", "rows")
 
@@ -51,6 +51,25 @@ class ADTopk(Compressor):
                        self._values(x.gather(1, positions)),
                        positions.to(index_dtype(view[1])), view=view)
 
+    def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
+                               step: int = 0, ratio: float | None = None) -> Payload | None:
+        """Error feedback's compensate, compress and update in one pass (the compiled kernel).
+
+        ``residual`` becomes ``residual + tensor`` less what the payload
+        carries. None, with nothing changed, where the kernel does not apply
+        (other devices or dtypes, values cast for the wire, dense shares).
+        """
+        if tensor.dim() < 2 or self.value_dtype not in (None, tensor.dtype):
+            return None
+        view = self.view_of(tuple(tensor.shape))
+        k = fibre_k(view[1], self._ratio(ratio))
+        found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k)
+        if found is None:
+            return None
+        positions, values = found
+        return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
+                       positions.to(index_dtype(view[1])), view=view)
+
 
 class ADTopkInterleaved(ADTopk):
     """ADTopk-I: per layer, even calls use ADTopk and odd calls global top-k.
@@ -74,6 +93,16 @@ class ADTopkInterleaved(ADTopk):
         flat = flat_of(tensor)
         k = global_k(flat.numel(), self._ratio(ratio))
         return self._coo(tensor, flat, global_topk(flat, k))
+
+    def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
+                               step: int = 0, ratio: float | None = None) -> Payload | None:
+        turn = self.calls.get(name, 0)
+        if turn % 2:
+            return None  # global top-k's turn: the unfused path
+        payload = super().compress_with_feedback(tensor, residual, name, step, ratio)
+        if payload is not None:
+            self.calls[name] = turn + 1
+        return payload
 
     def state_dict(self) -> dict:
         return {"calls": dict(self.calls)}

@@ -21,6 +21,13 @@ class ResidualMemory:
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
 
+    def matching(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
+        """The residual of ``name`` if it can take ``grad`` as it is (shape, dtype, device)."""
+        r = self.residuals.get(name)
+        if r is None or (r.shape, r.dtype, r.device) != (grad.shape, grad.dtype, grad.device):
+            return None
+        return r
+
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """``g + r``, written into the residual's own buffer.
 
@@ -66,6 +73,12 @@ class ErrorFeedback(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        fused = getattr(self.inner, "compress_with_feedback", None)
+        residual = self.memory.matching(name, tensor)
+        if fused is not None and residual is not None:
+            payload = fused(tensor, residual, name, step, ratio)
+            if payload is not None:
+                return payload
         compensated = self.memory.compensate(name, tensor)
         payload = self.inner.compress(compensated, name, step, ratio)
         self.memory.update(name, compensated, payload)

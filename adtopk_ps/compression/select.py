@@ -105,6 +105,27 @@ def _kernel_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Error feedback and selection in one pass over memory, or None where the kernel does not apply.
+
+    ``residual += grad``; the positions of the ``k`` largest |residual| per
+    fibre and their values are returned, and those entries of ``residual``
+    become zero (what was sent leaves the residual exactly).
+    """
+    if not (k < residual.shape[1] and _kernel_applies(residual, k) and grad.is_contiguous()
+            and (grad.shape, grad.dtype, grad.device) == (residual.shape, residual.dtype, residual.device)):
+        return None
+    lead, n = residual.shape[0], residual.shape[1]
+    positions = torch.empty((lead, k, *residual.shape[2:]), dtype=torch.int64)
+    values = torch.empty(positions.shape, dtype=residual.dtype)
+    if positions.numel():
+        _fibre.fibre_topk_feedback(residual.data_ptr(), grad.data_ptr(), lead, n,
+                                   math.prod(residual.shape[2:]), k, positions.data_ptr(),
+                                   values.data_ptr())
+    return positions, values
+
+
 def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Flat positions of the ``k`` largest |flat| (exact, one global selection)."""
     return flat.abs().topk(k, sorted=False).indices
