@@ -1,7 +1,10 @@
-"""Only the compiled selection kernel lives here; everything else is in setup.cfg."""
+"""Only the compiled kernels live here; everything else is in setup.cfg."""
 from setuptools import Extension, setup
 
-# optional: without a C compiler the install still works, and selection falls back to
-# torch kernels (tests/test_select_kernel.py fails loudly where it should have been built)
+# optional: without a C compiler the install still works, and selection and summing fall back
+# to torch kernels (tests/test_select_kernel.py and tests/test_sparse_sum.py fail loudly where
+# they should have been built)
 setup(ext_modules=[Extension("adtopk_ps.compression._fibre", ["adtopk_ps/compression/_fibre.c"],
+                             extra_compile_args=["-O3"], optional=True),
+                   Extension("server._sparse_sum", ["server/_sparse_sum.c"],
                              extra_compile_args=["-O3"], optional=True)])

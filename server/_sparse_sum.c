@@ -1,0 +1,138 @@
+/* Sparse pushes summed into a key's buffer, and the round's answer read back, in time
+ * proportional to what was pushed.
+ *
+ * The buffer is all zeros when a sparse round starts, so a position is new to the round
+ * exactly when its entry is still zero as a value lands there; add() lists those. Reading
+ * the answer, drain() takes each listed entry that is nonzero and zeroes it, which also
+ * skips a position listed twice (its sum went back to zero and was touched again) and
+ * leaves the buffer clean for the next round. No sort, no scan of the whole key.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+/* The index types a payload may carry; int32 and int64 are signed. Each loop below is
+ * written once per type, so the type is not looked at per entry. */
+#define FOR_INDEX_TYPE(size, BODY)                       \
+    switch (size) {                                      \
+    case 1: { typedef uint8_t index_t; BODY; } break;    \
+    case 2: { typedef uint16_t index_t; BODY; } break;   \
+    case 4: { typedef int32_t index_t; BODY; } break;    \
+    default: { typedef int64_t index_t; BODY; } break;   \
+    }
+
+/* add(buf, numel, idx, idx_size, lead, n, rest, k, values, new) -> how many new positions.
+ * values and idx are [lead, k, rest]; entry (a, t, j) lands at (a * n + idx) * rest + j
+ * (a COO payload is lead = rest = 1, n = numel, k = its count). */
+static PyObject *add(PyObject *self, PyObject *args)
+{
+    unsigned long long buf_addr, idx_addr, values_addr, new_addr;
+    Py_ssize_t numel, lead, n, rest, k;
+    int size;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnKinnnnKK", &buf_addr, &numel, &idx_addr, &size, &lead, &n,
+                          &rest, &k, &values_addr, &new_addr))
+        return NULL;
+    if (size != 1 && size != 2 && size != 4 && size != 8) {
+        PyErr_Format(PyExc_ValueError, "sparse add: index size %d is not 1, 2, 4 or 8", size);
+        return NULL;
+    }
+    if (lead < 0 || n < 1 || rest < 1 || k < 0 || lead * n * rest != numel) {
+        PyErr_Format(PyExc_ValueError, "sparse add: view [%zd, %zd, %zd] does not cover %zd entries",
+                     lead, n, rest, numel);
+        return NULL;
+    }
+    Py_ssize_t count = lead * k * rest, bad = -1;
+    int64_t low = 0, high = 0;
+    /* nothing lands unless every position is valid */
+    FOR_INDEX_TYPE(size, {
+        const index_t *idx = (const index_t *)(uintptr_t)idx_addr;
+        for (Py_ssize_t t = 0; t < count; t++) {
+            low = (int64_t)idx[t] < low ? (int64_t)idx[t] : low;
+            high = (int64_t)idx[t] > high ? (int64_t)idx[t] : high;
+        }
+        if (low < 0 || high >= n)
+            for (Py_ssize_t t = 0; t < count && bad < 0; t++)
+                if ((int64_t)idx[t] < 0 || (int64_t)idx[t] >= n)
+                    bad = t;
+    })
+    if (bad >= 0) {
+        PyErr_Format(PyExc_ValueError, "sparse add: index at %zd is not within [0, %zd)", bad, n);
+        return NULL;
+    }
+    float *buf = (float *)(uintptr_t)buf_addr;
+    const float *values = (const float *)(uintptr_t)values_addr;
+    int64_t *fresh = (int64_t *)(uintptr_t)new_addr;
+    Py_ssize_t m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    FOR_INDEX_TYPE(size, {
+        const index_t *idx = (const index_t *)(uintptr_t)idx_addr;
+        for (Py_ssize_t a = 0, t = 0; a < lead; a++) {
+            float *row = buf + a * n * rest;
+            int64_t base = a * n * rest;
+            for (Py_ssize_t s = 0; s < k; s++)
+                for (Py_ssize_t j = 0; j < rest; j++, t++) {
+                    int64_t at = (int64_t)idx[t] * rest + j;
+                    float before = row[at];
+                    fresh[t] = before == 0.0f ? base + at : -1;
+                    row[at] = before + values[t];
+                }
+        }
+    })
+    /* compacted apart: a running count in the loop above made every entry wait for the
+     * previous entry's (cache-missing) load, which measured 3x slower */
+    for (Py_ssize_t t = 0; t < count; t++) {
+        fresh[m] = fresh[t];
+        m += fresh[t] >= 0;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(m);
+}
+
+/* drain(buf, numel, listed, count, positions, values) -> how many nonzero sums were read */
+static PyObject *drain(PyObject *self, PyObject *args)
+{
+    unsigned long long buf_addr, listed_addr, pos_addr, values_addr;
+    Py_ssize_t numel, count;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KnKnKK", &buf_addr, &numel, &listed_addr, &count, &pos_addr,
+                          &values_addr))
+        return NULL;
+    float *buf = (float *)(uintptr_t)buf_addr;
+    const int64_t *listed = (const int64_t *)(uintptr_t)listed_addr;
+    int64_t *positions = (int64_t *)(uintptr_t)pos_addr;
+    float *values = (float *)(uintptr_t)values_addr;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (listed[i] < 0 || listed[i] >= numel) {
+            PyErr_Format(PyExc_ValueError, "sparse drain: position %lld is not within [0, %zd)",
+                         (long long)listed[i], numel);
+            return NULL;
+        }
+    }
+    Py_ssize_t m = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {  /* branch-free: stores are kept for nonzero sums */
+        float v = buf[listed[i]];
+        positions[m] = listed[i];
+        values[m] = v;
+        m += v != 0.0f;  /* NaN included */
+        buf[listed[i]] = 0.0f;
+    }
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(m);
+}
+
+static PyMethodDef methods[] = {
+    {"add", add, METH_VARARGS,
+     "add(buf, numel, idx, idx_size, lead, n, rest, k, values, new) -> count of new positions"},
+    {"drain", drain, METH_VARARGS,
+     "drain(buf, numel, listed, count, positions, values) -> count of nonzero sums read"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_sparse_sum", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__sparse_sum(void)
+{
+    return PyModule_Create(&module);
+}

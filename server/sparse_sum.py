@@ -1,0 +1,60 @@
+"""Sparse pushes summed in time proportional to what was pushed (the compiled _sparse_sum.c).
+
+The aggregator's torch path does the same with a sort for the union of
+positions and several indexing passes; this path lists each position as it
+first lands and reads the answer back from that list. It applies to float32
+buffers and values on the CPU, which is what a server holds unless workers
+send other dtypes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from adtopk_ps.compression import Payload
+
+try:
+    from . import _sparse_sum
+except ImportError:  # built without a C compiler: the aggregator's torch path does the work
+    _sparse_sum = None
+
+_INDEX_DTYPES = (torch.uint8, torch.uint16, torch.int32, torch.int64)
+
+
+def applies_to(buffer: torch.Tensor) -> bool:
+    """Whether this path can sum into (and drain) ``buffer``."""
+    return (_sparse_sum is not None and buffer.dtype == torch.float32
+            and buffer.device.type == "cpu" and buffer.is_contiguous())
+
+
+def applies(payload: Payload, buffer: torch.Tensor) -> bool:
+    """Whether this path can add ``payload`` into ``buffer``."""
+    values, indices = payload.values, payload.indices
+    return (applies_to(buffer) and payload.codec in ("fibre", "coo") and values.dtype == torch.float32
+            and values.device.type == "cpu" and values.is_contiguous()
+            and indices.dtype in _INDEX_DTYPES and indices.is_contiguous())
+
+
+def add(buffer: torch.Tensor, payload: Payload) -> torch.Tensor:
+    """``buffer += decompress(payload)``; returns the flat positions that were zero before."""
+    if payload.codec == "fibre":
+        view = payload.view
+        lead, n, rest, k = view[0], view[1], math.prod(view[2:]), payload.values.shape[1]
+    else:
+        lead, n, rest, k = 1, buffer.numel(), 1, payload.count
+    fresh = torch.empty(payload.count, dtype=torch.int64)
+    count = _sparse_sum.add(buffer.data_ptr(), buffer.numel(), payload.indices.data_ptr(),
+                            payload.indices.element_size(), lead, n, rest, k,
+                            payload.values.data_ptr(), fresh.data_ptr())
+    return fresh[:count]
+
+
+def drain(buffer: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nonzero entries of ``buffer`` at ``listed`` positions (positions, values), zeroed."""
+    listed = listed.contiguous()
+    positions = torch.empty(listed.numel(), dtype=torch.int64)
+    values = torch.empty(listed.numel(), dtype=buffer.dtype)
+    count = _sparse_sum.drain(buffer.data_ptr(), buffer.numel(), listed.data_ptr(), listed.numel(),
+                              positions.data_ptr(), values.data_ptr())
+    return positions[:count], values[:count]

@@ -1,0 +1,80 @@
+"""The compiled sparse sum (server/_sparse_sum.c) answers exactly what the torch path answers."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adtopk_ps.compression import Payload, create
+from server import sparse_sum
+from server.aggregator import Aggregator, PushRejected
+
+
+def test_kernel_is_built():
+    # the install compiles it; a missing compiler would silently cost the speed-up
+    assert sparse_sum._sparse_sum is not None
+
+
+@st.composite
+def pushes(draw, shape):
+    """One worker's sparse push: ADTopk of small integers (sums often cancel to zero), or a
+    COO push whose positions may repeat and whose values may be zero."""
+    seed = draw(st.integers(0, 2**16))
+    gen = torch.Generator().manual_seed(seed)
+    if draw(st.booleans()):
+        grad = torch.randint(-2, 3, shape, generator=gen).float()
+        return create("adtopk", ratio=draw(st.sampled_from([0.1, 0.3]))).compress(grad, "t")
+    numel = torch.Size(shape).numel()
+    count = draw(st.integers(0, numel))
+    dtype = draw(st.sampled_from([torch.uint8, torch.uint16, torch.int32, torch.int64]))
+    bound = min(numel, 256) if dtype == torch.uint8 else numel
+    positions = torch.randint(0, bound, (count,), generator=gen).to(dtype)
+    values = torch.randint(-2, 3, (count,), generator=gen).float()
+    return Payload("coo", tuple(shape), torch.float32, values, positions)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data(), st.integers(1, 4), st.integers(1, 4), st.sampled_from([(8, 30), (4, 12, 3), (3, 5, 2, 2)]))
+def test_compiled_rounds_equal_the_torch_path_and_leave_clean_buffers(data, workers, rounds, shape):
+    compiled = Aggregator(workers)
+    plain = Aggregator(workers)
+    kernel = sparse_sum._sparse_sum
+    for rnd in range(rounds):
+        want = torch.zeros(shape)
+        for w in range(workers):
+            p = data.draw(pushes(shape))
+            want += p.decompress()
+            a = compiled.push(3, rnd, w, p)
+            sparse_sum._sparse_sum = None
+            try:
+                b = plain.push(3, rnd, w, p)
+            finally:
+                sparse_sum._sparse_sum = kernel
+        assert torch.equal(a.decompress(), want) and torch.equal(b.decompress(), want)
+        assert a.codec == b.codec and a.count == b.count
+        if a.codec == "coo":  # a union: no position twice, no zero sums
+            assert a.indices.long().unique().numel() == a.count and bool(a.values.ne(0).all())
+    state = compiled.keys[3]
+    for buf, clean in zip(state.buffers or (), state.clean):
+        assert not clean or not bool(buf.any())
+
+
+def test_nan_and_inf_sums_come_back():
+    agg = Aggregator(2)
+    nan = Payload("coo", (4, 4), torch.float32, torch.tensor([float("nan"), 1.0]), torch.tensor([2, 5]))
+    inf = Payload("coo", (4, 4), torch.float32, torch.tensor([float("inf"), -1.0]), torch.tensor([9, 5]))
+    agg.push(1, 0, 0, nan)
+    answer = agg.push(1, 0, 1, inf).decompress().view(-1)
+    assert answer[2].isnan() and answer[9].isinf() and answer[5] == 0
+    assert not bool(agg.keys[1].buffers[0].any())
+
+
+def test_an_out_of_range_push_is_refused_and_lands_nowhere():
+    agg = Aggregator(2)
+    good = Payload("coo", (4, 4), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([0, 15]))
+    agg.push(1, 0, 0, good)
+    # built in process, so nothing checked it on the way (decoding would have)
+    bad = Payload("coo", (4, 4), torch.float32, torch.tensor([5.0, 7.0]), torch.tensor([3, 16]))
+    with pytest.raises(PushRejected, match=r"not within \[0, 16\)"):
+        agg.push(1, 0, 1, bad)
+    answer = agg.push(1, 0, 1, good)
+    assert torch.equal(answer.decompress().view(-1)[[0, 3, 15]], torch.tensor([2.0, 0.0, 4.0]))
