@@ -245,6 +245,8 @@ def chart(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     groups = [g for g in results if "ddp-dense" in results[g] and "step_s" in results[g]["ddp-dense"]]
+    if not groups:  # the chart's bars are speeds against DDP dense
+        return
     systems = list(results[groups[0]])
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(groups)), 4.5))
     width = 0.8 / len(systems)

@@ -10,6 +10,8 @@
  * The torch kernels this replaces (a scoring pass, two selections and their
  * gathers) allocate and read the tensor several times.
  * Positions are written as int64 into out[a, t, j] (t < k, unordered).
+ * fibre_topk_feedback also does error feedback's compensation and update in
+ * the same pass (see select_all).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
