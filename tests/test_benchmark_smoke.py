@@ -1,10 +1,15 @@
-"""The compression benchmark runs and reports every compressor (figures are not asserted)."""
+"""The benchmarks run and report what they promise (figures are not asserted)."""
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from adtopk_ps.compression import COMPRESSORS
+from adtopk_ps.testing import netns
+
+SKIP = netns.unavailable()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,3 +27,22 @@ def test_compression_benchmark_prints_a_row_per_compressor():
     adtopk = re.search(r"^\| adtopk \|.*\| ([\d,]+) \|$", out, re.M)
     values_and_indices = 32 * 6 * (4 + 2)
     assert values_and_indices < int(adtopk.group(1).replace(",", "")) < values_and_indices + 200
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
+    # the smallest run that still crosses namespace hosts: one PS system, one DDP system
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
+         "--systems", "ps-adtopk", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = (tmp_path / "e2e-vgg-1024.md").read_text()
+    rows = {m.group(1): m for m in re.finditer(
+        r"^\| ([\w-]+) \| ([\d.]+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
+        report, re.M)}
+    assert set(rows) == {"ps-adtopk", "ddp-dense"}, report
+    assert float(rows["ps-adtopk"].group(5)) < 5  # MB per step: ADTopk's, not dense
+    assert rows["ddp-dense"].group(6) == "1.00"  # the ratio's own baseline
+    assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0

@@ -77,3 +77,23 @@ def test_answers_land_in_place_averaged_for_every_codec():
             clients[0].push_pull(torch.zeros(4), "bad", out=torch.zeros(3))
         for c in clients:
             c.shutdown()
+
+
+def test_the_gil_switch_interval_is_shortened_unless_turned_off():
+    import sys
+
+    from adtopk_ps.client import shorten_gil_switch
+    from adtopk_ps.env import EnvError
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        shorten_gil_switch({"PS_GIL_SWITCH_US": "0"})
+        assert sys.getswitchinterval() == 0.005
+        shorten_gil_switch({})
+        assert abs(sys.getswitchinterval() - 200e-6) < 1e-9
+        shorten_gil_switch({"PS_GIL_SWITCH_US": "1000"})  # never lengthens what is shorter
+        assert abs(sys.getswitchinterval() - 200e-6) < 1e-9
+        with pytest.raises(EnvError, match="PS_GIL_SWITCH_US"):
+            shorten_gil_switch({"PS_GIL_SWITCH_US": "soon"})
+    finally:
+        sys.setswitchinterval(before)
