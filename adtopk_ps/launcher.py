@@ -164,20 +164,19 @@ def local_size(environ: Mapping[str, str]) -> int:
 
 
 def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
-    env = dict(os.environ if environ is None else environ)
+    env = keep_freed_memory(os.environ if environ is None else environ)
     config = ClusterConfig.from_env(env)  # validates the whole contract up front
     if config.role == "scheduler":
         from .scheduler import main as scheduler_main
         return scheduler_main()
     if config.role == "server":
-        return subprocess.call(guarded(_python_module("server")), env=keep_freed_memory(env))
+        return subprocess.call(guarded(_python_module("server")), env=env)
     if not command:
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)
     env["BYTEPS_LOCAL_SIZE"] = str(size)
     ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract
     lock = threading.Lock()
-    env = keep_freed_memory(env)
     children = [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
                       command, {**env, "BYTEPS_LOCAL_RANK": str(rank)}, lock)
                 for rank in range(size)]

@@ -43,13 +43,10 @@ class ADTopk(Compressor):
             raise ValueError(
                 f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
                 "the sparsification policy sends such tensors dense")
-        view = self.view_of(tuple(tensor.shape))
+        view, k = self._fibres(tensor, ratio)
         x = tensor.detach().reshape(view)
-        k = fibre_k(view[1], self._ratio(ratio))
         positions = fibre_topk(x, k)
-        return Payload("fibre", tuple(tensor.shape), tensor.dtype,
-                       self._values(x.gather(1, positions)),
-                       positions.to(index_dtype(view[1])), view=view)
+        return self._payload(tensor, view, positions, self._values(x.gather(1, positions)))
 
     def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
                                step: int = 0, ratio: float | None = None) -> Payload | None:
@@ -61,12 +58,21 @@ class ADTopk(Compressor):
         """
         if tensor.dim() < 2 or self.value_dtype not in (None, tensor.dtype):
             return None
-        view = self.view_of(tuple(tensor.shape))
-        k = fibre_k(view[1], self._ratio(ratio))
+        view, k = self._fibres(tensor, ratio)
         found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k)
         if found is None:
             return None
         positions, values = found
+        return self._payload(tensor, view, positions, values)
+
+    def _fibres(self, tensor: torch.Tensor, ratio: float | None) -> tuple[tuple[int, ...], int]:
+        """The view whose axis 1 the fibres run along, and how many entries each keeps."""
+        view = self.view_of(tuple(tensor.shape))
+        return view, fibre_k(view[1], self._ratio(ratio))
+
+    @staticmethod
+    def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
+                 values: torch.Tensor) -> Payload:
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
                        positions.to(index_dtype(view[1])), view=view)
 
