@@ -5,7 +5,8 @@ import sys
 
 from adtopk_ps.allocator import TUNABLES, keep_freed_memory
 
-# two training steps of a two-layer net (32 MiB of weights), then the page faults of the next
+# the page faults of six training steps of a two-layer net (32 MiB of weights), after four to
+# settle in: how many steps the heap takes to reach its peak differs between machines
 FAULTS = ("import resource, torch\n"
           "torch.set_num_threads(1)\n"
           "net = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 2048))\n"
@@ -13,10 +14,11 @@ FAULTS = ("import resource, torch\n"
           "def step():\n"
           "    net.zero_grad()\n"
           "    net(x).square().mean().backward()\n"
-          "step()\n"
-          "step()\n"
+          "for _ in range(4):\n"
+          "    step()\n"
           "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-          "step()\n"
+          "for _ in range(6):\n"
+          "    step()\n"
           "print('faults', resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n")
 
 
@@ -34,8 +36,8 @@ def plain_env():
 
 def test_freed_memory_is_reused_instead_of_faulted_in_again():
     default, kept = faults(plain_env()), faults(keep_freed_memory(plain_env()))
-    assert default > 4_000  # gradients and activations faulted in again (8,000-19,000 seen)
-    assert kept < 1_000
+    assert default > 6 * 8_192  # each step faults at least one 32 MiB gradient in again
+    assert kept < default / 4  # seen: 98,000-105,000 faults by default, 0-3,073 kept
 
 
 def test_the_user_can_turn_it_off_or_tune_it_themselves():
@@ -56,4 +58,4 @@ def test_bpslaunch_workers_get_it():
     result = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", sys.executable, "-c", FAULTS],
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert int(result.stdout.split("faults")[-1].split()[0]) < 1_000
+    assert int(result.stdout.split("faults")[-1].split()[0]) < faults(plain_env()) / 4
