@@ -202,8 +202,12 @@ class PSClient:
         job = _Job(-meta.id if priority is None else priority, next(self._seq), handle,
                    tensor.detach(), meta, compressor or Dense(), step, ratio)
         with self._lock:
+            # the engine empties the queue before it sleeps: only a push into an empty queue
+            # must wake it (each wake-up is a send and a GIL hand-over on the training thread)
+            wake = not self._jobs
             heapq.heappush(self._jobs, job)
-        self._poke()
+        if wake:
+            self._poke()
         return handle
 
     def barrier(self, timeout: float | None = None) -> None:

@@ -57,9 +57,8 @@ def encode(op: str, key: int = 0, round: int = 0, sender: int = 0,
     header.update(extra)
     if payload is None:
         return [msgpack.packb(header)]
-    frames = payload.frames()
-    header.update(msgpack.unpackb(frames[0]))
-    return [msgpack.packb(header), *frames[1:]]
+    header.update(payload.meta())
+    return [msgpack.packb(header), *payload.buffers()]
 
 
 def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,

@@ -137,10 +137,13 @@ class Payload:
 
     def frames(self) -> list:
         """Metadata then raw buffers, ready for a zmq multipart send."""
-        out = [msgpack.packb(self.meta()), _as_buffer(self.values)]
-        if self.indices is not None:
-            out.append(_as_buffer(self.indices))
-        return out
+        return [msgpack.packb(self.meta()), *self.buffers()]
+
+    def buffers(self) -> list:
+        """The values, then the indices if any, as zero-copy buffers."""
+        if self.indices is None:
+            return [_as_buffer(self.values)]
+        return [_as_buffer(self.values), _as_buffer(self.indices)]
 
     @classmethod
     def from_frames(cls, frames: Sequence, max_numel: int = 1 << 31) -> "Payload":

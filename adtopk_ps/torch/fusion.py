@@ -31,14 +31,17 @@ class Bucket:
     buffer: torch.Tensor  # flat
     members: list[tuple[torch.Tensor, int]]  # (parameter, offset into buffer)
     ready: set[int] = field(default_factory=set)  # ids of members whose gradient is in
+    offsets: dict[int, int] = field(init=False)  # by the member's id
+
+    def __post_init__(self) -> None:
+        self.offsets = {id(p): offset for p, offset in self.members}
 
     def put(self, p: torch.Tensor, grad: torch.Tensor | None) -> bool:
         """Copy one member's gradient in (zeros for none); True when the bucket is full."""
         if id(p) in self.ready:
             raise RuntimeError(f"a gradient in {self.name!r} was pushed twice before step(); with "
                                f"gradient accumulation set backward_passes_per_step")
-        offset = next(off for q, off in self.members if q is p)
-        view = self.buffer.narrow(0, offset, p.numel())
+        view = self.buffer.narrow(0, self.offsets[id(p)], p.numel())
         if grad is None:
             view.zero_()
         else:
