@@ -12,11 +12,12 @@ steps. Every worker, ours and DDP's, runs with the allocator settings
 bpslaunch gives its roles (adtopk_ps/allocator.py). Every system runs
 --trials times, in alternating order, and the report keeps its fastest run:
 this machine is shared, and a slow run says more about its neighbours than
-about the system. Reported per step: the whole step, compute, compression (PS), the
-wait for answers after backward (PS), and what is left (communication not
-hidden by the backward pass). "hidden" is the share of ADTopk's compression
-and communication that overlap hides: 1 - (overlapped step - compute) /
-(step without overlap - compute).
+about the system. Reported per step: the whole step, the CPU time of worker
+0's process (all its threads: where our PS and DDP differ in overhead),
+compute, compression (PS), the wait for answers after backward (PS), and
+what is left (communication not hidden by the backward pass). "hidden" is
+the share of ADTopk's compression and communication that overlap hides:
+1 - (overlapped step - compute) / (step without overlap - compute).
 """
 from __future__ import annotations
 
@@ -74,10 +75,11 @@ def worker(args: argparse.Namespace) -> None:
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
     def timed(fn, steps):
-        start = time.perf_counter()
+        """Wall seconds per call, and CPU seconds per call of every thread of this worker."""
+        start, cpu = time.perf_counter(), time.process_time()
         for _ in range(steps):
             fn()
-        return (time.perf_counter() - start) / steps
+        return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
     def local_step():
         model.zero_grad()
@@ -92,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500",
                                 rank=int(os.environ["DMLC_WORKER_ID"]), world_size=args.workers)
     local_step()
-    compute = timed(local_step, 3)
+    compute, _ = timed(local_step, 3)
     result = {"compute_s": compute, "params": sum(p.numel() for p in model.parameters())}
     ratio = args.ratio
     if system["kind"] == "ps":
@@ -121,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
             step()
         waits.clear()
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
-        result["step_s"] = timed(step, args.steps)
+        result["step_s"], result["cpu_s"] = timed(step, args.steps)
         result["compress_s"] = (client.compress_seconds - c0) / args.steps
         result["wait_s"] = sum(waits) / len(waits)
         result["bytes_per_step"] = (client.bytes_pushed + client.bytes_pulled - b0) / args.steps
@@ -153,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
 
         for _ in range(args.warmup):
             step()
-        result["step_s"] = timed(step, args.steps)
+        result["step_s"], result["cpu_s"] = timed(step, args.steps)
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -209,16 +211,18 @@ def report(results: dict, args: argparse.Namespace) -> str:
         params = next((r["params"] for r in by_system.values() if "params" in r), 0)
         out += [f"#### {model} ({params / 1e6:.1f} M params), {link}, {workers} workers x {args.servers} "
                 f"servers, batch {args.batch}", "",
-                "| system | samples/s | step ms | compute | compress | wait after backward | exposed comm "
-                "| MB per step | vs DDP dense | vs PS dense |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                "| system | samples/s | step ms | worker CPU ms | compute | compress | wait after backward "
+                "| exposed comm | MB per step | vs DDP dense | vs PS dense |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for system, r in by_system.items():
             if "error" in r:
-                out.append(f"| {system} | failed: {r['error']} |||||||||")
+                out.append(f"| {system} | failed: {r['error']} ||||||||||")
                 continue
             ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
             mb = "-" if "bytes_per_step" not in r else f"{r['bytes_per_step'] / 1e6:.2f}"
             out.append(f"| {system} | {workers * args.batch / r['step_s']:.1f} | {ms(r['step_s'])} | "
-                       f"{ms(r['compute_s'])} | {ms(r.get('compress_s'))} | {ms(r.get('wait_s'))} | "
+                       f"{ms(r.get('cpu_s'))} | {ms(r['compute_s'])} | {ms(r.get('compress_s'))} | "
+                       f"{ms(r.get('wait_s'))} | "
                        f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
                        f"{speedup(ddp, r)} | {speedup(ps, r)} |")
         ov, no = by_system.get("ps-adtopk"), by_system.get("ps-adtopk-no-overlap")

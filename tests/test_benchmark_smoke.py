@@ -40,9 +40,10 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "e2e-vgg-1024.md").read_text()
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| ([\w-]+) \| ([\d.]+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
+        r"^\| ([\w-]+) \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
     assert set(rows) == {"ps-adtopk", "ddp-dense"}, report
-    assert float(rows["ps-adtopk"].group(5)) < 5  # MB per step: ADTopk's, not dense
-    assert rows["ddp-dense"].group(6) == "1.00"  # the ratio's own baseline
+    assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense
+    assert rows["ddp-dense"].group(7) == "1.00"  # the ratio's own baseline
+    assert all(int(r.group(4)) > 0 for r in rows.values())  # the worker's CPU per step
     assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0
