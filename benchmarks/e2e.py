@@ -7,8 +7,11 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
     sudo python benchmarks/e2e.py --models vgg resnet18 transformer --links 1gbit
     sudo python benchmarks/e2e.py --scaling --links 1gbit   # model size and W
 
-Each worker first times forward+backward alone (compute), then the timed
-steps. Every worker, ours and DDP's, runs with the allocator settings
+Each worker's timed rounds take turns: a forward+backward alone (compute),
+a step of the system and, for ps-adtopk, the same step with every push left
+until after backward (no overlap); so the machine's drift slows each alike,
+and the exposed communication (step - compute) is measured under the same
+conditions as the step. Every worker, ours and DDP's, runs with the allocator settings
 bpslaunch gives its roles (adtopk_ps/allocator.py). Every system runs
 --trials times, in alternating order, and the report keeps its fastest run:
 this machine is shared, and a slow run says more about its neighbours than
@@ -34,8 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {
     "ps-dense": {"kind": "ps", "compressor": "none"},
     "ps-topk": {"kind": "ps", "compressor": "topk"},
-    "ps-adtopk": {"kind": "ps", "compressor": "adtopk"},
-    "ps-adtopk-no-overlap": {"kind": "ps", "compressor": "adtopk", "overlap": False},
+    "ps-adtopk": {"kind": "ps", "compressor": "adtopk", "measure_overlap": True},
     "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
@@ -74,18 +76,24 @@ def worker(args: argparse.Namespace) -> None:
         out = net(x)
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    def timed(fn, steps):
-        """Wall seconds per call, and CPU seconds per call of every thread of this worker."""
-        start, cpu = time.perf_counter(), time.process_time()
-        for _ in range(steps):
-            fn()
-        return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
+    def interleaved(kinds: dict, rounds: int) -> dict[str, tuple[float, float]]:
+        """Wall and CPU seconds (every thread of this worker) per step of each kind, the kinds
+        taking turns, so that this machine's drift slows them alike. ``kinds``: name ->
+        (prepare, step); prepare is not timed."""
+        wall, cpu = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+        for _ in range(rounds):
+            for name, (prepare, fn) in kinds.items():
+                prepare()
+                started, cpu_started = time.perf_counter(), time.process_time()
+                fn()
+                wall[name] += time.perf_counter() - started
+                cpu[name] += time.process_time() - cpu_started
+        return {name: (wall[name] / rounds, cpu[name] / rounds) for name in kinds}
 
-    def local_step():
+    def local_step():  # forward + backward alone: no hook pushes, no DDP reducer
         model.zero_grad()
         loss_of(model).backward()
 
-    # every role is up before compute is timed, so start-up work elsewhere does not inflate it
     if system["kind"] == "ps":
         import adtopk_ps.torch as bps
         bps.init()
@@ -93,9 +101,7 @@ def worker(args: argparse.Namespace) -> None:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500",
                                 rank=int(os.environ["DMLC_WORKER_ID"]), world_size=args.workers)
-    local_step()
-    compute, _ = timed(local_step, 3)
-    result = {"compute_s": compute, "params": sum(p.numel() for p in model.parameters())}
+    result = {"params": sum(p.numel() for p in model.parameters())}
     ratio = args.ratio
     if system["kind"] == "ps":
         from adtopk_ps.compression import SparsificationPolicy
@@ -105,28 +111,37 @@ def worker(args: argparse.Namespace) -> None:
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False))
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       model.named_parameters(), compression,
-                                       overlap=system.get("overlap", True))
+                                       model.named_parameters(), compression)
         client = bps.client()
-        waits = []
+        waits: dict[str, list[float]] = {"step": [], "no_overlap": []}
 
-        def step():
+        def step(kind):
             opt.zero_grad()
             loss_of(model).backward()
             began = time.perf_counter()
             opt.synchronize()
-            waits.append(time.perf_counter() - began)
+            waits[kind].append(time.perf_counter() - began)
             with opt.skip_synchronize():
                 opt.step()
 
-        for _ in range(args.warmup):
-            step()
-        waits.clear()
+        kinds = {"compute": (lambda: opt.set_overlap(False), local_step),
+                 "step": (lambda: opt.set_overlap(True), lambda: step("step"))}
+        if system.get("measure_overlap"):  # the same steps, everything pushed after backward
+            kinds["no_overlap"] = (lambda: opt.set_overlap(False), lambda: step("no_overlap"))
+        interleaved(kinds, args.warmup)
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
-        result["step_s"], result["cpu_s"] = timed(step, args.steps)
-        result["compress_s"] = (client.compress_seconds - c0) / args.steps
-        result["wait_s"] = sum(waits) / len(waits)
-        result["bytes_per_step"] = (client.bytes_pushed + client.bytes_pulled - b0) / args.steps
+        times = interleaved(kinds, args.steps)
+        pushes = args.steps * (len(kinds) - 1)  # both kinds of step push the same
+
+        def summary(kind: str) -> dict:
+            return {"compute_s": times["compute"][0], "step_s": times[kind][0], "cpu_s": times[kind][1],
+                    "wait_s": sum(waits[kind][-args.steps:]) / args.steps,
+                    "compress_s": (client.compress_seconds - c0) / pushes,
+                    "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
+
+        result.update(summary("step"))
+        if "no_overlap" in times:
+            result["no_overlap"] = summary("no_overlap")
         rank = bps.rank()
         bps.shutdown()
     else:
@@ -153,9 +168,13 @@ def worker(args: argparse.Namespace) -> None:
             loss_of(ddp).backward()
             opt.step()
 
-        for _ in range(args.warmup):
-            step()
-        result["step_s"], result["cpu_s"] = timed(step, args.steps)
+        def nothing():
+            pass
+
+        kinds = {"compute": (nothing, local_step), "step": (nothing, step)}
+        interleaved(kinds, args.warmup)
+        times = interleaved(kinds, args.steps)
+        result.update(compute_s=times["compute"][0], step_s=times["step"][0], cpu_s=times["step"][1])
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -214,7 +233,12 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 "| system | samples/s | step ms | worker CPU ms | compute | compress | wait after backward "
                 "| exposed comm | MB per step | vs DDP dense | vs PS dense |",
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        rows = []
         for system, r in by_system.items():
+            rows.append((system, r))
+            if "no_overlap" in r:
+                rows.append((f"{system}, no overlap", r["no_overlap"]))
+        for system, r in rows:
             if "error" in r:
                 out.append(f"| {system} | failed: {r['error']} ||||||||||")
                 continue
@@ -225,10 +249,14 @@ def report(results: dict, args: argparse.Namespace) -> str:
                        f"{ms(r.get('wait_s'))} | "
                        f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
                        f"{speedup(ddp, r)} | {speedup(ps, r)} |")
-        ov, no = by_system.get("ps-adtopk"), by_system.get("ps-adtopk-no-overlap")
-        if ov and no and no["step_s"] > no["compute_s"]:
+        ov = by_system.get("ps-adtopk", {})
+        no = ov.get("no_overlap")
+        if no and no["step_s"] > no["compute_s"]:
             hidden = 1 - max(0.0, ov["step_s"] - ov["compute_s"]) / (no["step_s"] - no["compute_s"])
-            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden:.0%}")
+            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden:.0%} "
+                       f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
+                       f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
+                       f"taking turns in one run)")
         out.append("")
     if args.scaling:
         systems = list(next(iter(results.values())))
@@ -284,10 +312,10 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--servers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10, help="timed rounds")
     ap.add_argument("--trials", type=int, default=2,
                     help="runs of every system; the report keeps each system's fastest")
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--scaling", action="store_true",
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")

@@ -69,6 +69,27 @@ def test_misuse_is_refused(session):
         bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression="zip")
 
 
+def test_overlap_switches_between_steps(session):
+    model = _model()
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+    x = torch.randn(4, 40)
+    for overlap in (True, False, True):
+        opt.set_overlap(overlap)
+        model(x).sum().backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if overlap:  # the pushes left during backward
+            with pytest.raises(RuntimeError, match="in flight"):
+                opt.set_overlap(False)
+        else:
+            opt.zero_grad()  # nothing in flight: a local backward, the gradients dropped
+            model(x).sum().backward()
+        opt.synchronize()
+        assert all(torch.equal(p.grad, expected[n]) for n, p in model.named_parameters())  # W=1
+        with opt.skip_synchronize():
+            opt.step()
+        opt.zero_grad()
+
+
 def test_wrapped_optimizer_keeps_its_class_and_checkpoints_residuals(session):
     model = torch.nn.Sequential(torch.nn.Linear(40, 500), torch.nn.ReLU(), torch.nn.Linear(500, 3))
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),

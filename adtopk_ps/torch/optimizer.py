@@ -107,6 +107,20 @@ class _Distributed:
                 c.declare(name, p.detach())
         for bucket in self._buckets:
             c.declare(bucket.name, bucket.buffer)
+        self._hooks: list = []
+        self.set_overlap(overlap)
+
+    def set_overlap(self, overlap: bool) -> None:
+        """Push each gradient as backward produces it (True), or all of them in ``step()``.
+
+        Between steps only: the benchmarks switch it step by step to measure,
+        under the same conditions, what overlap hides.
+        """
+        if self._handles or self._bucket_handles or self._passes:
+            raise RuntimeError("set_overlap() while gradients are in flight; call step() or "
+                               "synchronize() first")
+        for handle in self._hooks:
+            handle.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
                        for name, p in self._named] if overlap else []
 
