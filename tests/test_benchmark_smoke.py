@@ -46,4 +46,8 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense
     assert rows["ddp-dense"].group(7) == "1.00"  # the ratio's own baseline
     assert all(int(r.group(4)) > 0 for r in rows.values())  # the worker's CPU per step
+    # ADTopk's steps without overlap ran in the same rounds, and what overlap hides is reported
+    assert re.search(r"^\| ps-adtopk, no overlap \| [\d.]+ \| \d+ \|", report, re.M), report
+    assert re.search(r"hidden by the backward pass: (-?\d+%|-) \(step \d+ ms with overlap, \d+ ms without, "
+                     r"forward \+ backward alone \d+ ms", report), report
     assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0
