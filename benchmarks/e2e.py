@@ -7,9 +7,10 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
     sudo python benchmarks/e2e.py --models vgg resnet18 transformer --links 1gbit
     sudo python benchmarks/e2e.py --scaling --links 1gbit   # model size and W
 
-Each worker's timed rounds take turns: a forward+backward alone (compute),
-a step of the system and, for ps-adtopk, the same step with every push left
-until after backward (no overlap); so the machine's drift slows each alike,
+Each worker's timed rounds take turns: a forward+backward alone (compute, on
+a copy of the model that no optimizer or DDP hooks), a step of the system
+and, for ps-adtopk, the same step with every push left until after backward
+(no overlap); so the machine's drift slows each alike,
 and the exposed communication (step - compute) is measured under the same
 conditions as the step. Every worker, ours and DDP's, runs with the allocator settings
 bpslaunch gives its roles (adtopk_ps/allocator.py). Every system runs
@@ -21,10 +22,13 @@ compute, compression (PS), the wait for answers after backward (PS), and
 what is left (communication not hidden by the backward pass). "hidden" is
 the share of ADTopk's compression and communication that overlap hides:
 1 - (overlapped step - compute) / (step without overlap - compute).
+ps-adtopk-auto is ADTopk with overlap="auto": its trial runs in the warm-up
+rounds, and its row says which way it chose.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import signal
@@ -38,6 +42,7 @@ SYSTEMS = {
     "ps-dense": {"kind": "ps", "compressor": "none"},
     "ps-topk": {"kind": "ps", "compressor": "topk"},
     "ps-adtopk": {"kind": "ps", "compressor": "adtopk", "measure_overlap": True},
+    "ps-adtopk-auto": {"kind": "ps", "compressor": "adtopk", "overlap": "auto"},
     "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
@@ -65,6 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     system = SYSTEMS[args.system]
     torch.manual_seed(0)
     model = build(arch, spec)
+    twin = copy.deepcopy(model)  # for compute alone: no optimizer hooks, no DDP reducer on it
     gen = torch.Generator().manual_seed(1)
     if inputs == "images":
         x, y = torch.randn(args.batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen)
@@ -90,9 +96,12 @@ def worker(args: argparse.Namespace) -> None:
                 cpu[name] += time.process_time() - cpu_started
         return {name: (wall[name] / rounds, cpu[name] / rounds) for name in kinds}
 
-    def local_step():  # forward + backward alone: no hook pushes, no DDP reducer
-        model.zero_grad()
-        loss_of(model).backward()
+    def local_step():
+        twin.zero_grad()
+        loss_of(twin).backward()
+
+    def nothing():
+        pass
 
     if system["kind"] == "ps":
         import adtopk_ps.torch as bps
@@ -110,8 +119,10 @@ def worker(args: argparse.Namespace) -> None:
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False))
+        from adtopk_ps.torch.overlap import trial_steps
+        overlap = system.get("overlap", True)
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       model.named_parameters(), compression)
+                                       model.named_parameters(), compression, overlap=overlap)
         client = bps.client()
         waits: dict[str, list[float]] = {"step": [], "no_overlap": []}
 
@@ -124,11 +135,13 @@ def worker(args: argparse.Namespace) -> None:
             with opt.skip_synchronize():
                 opt.step()
 
-        kinds = {"compute": (lambda: opt.set_overlap(False), local_step),
-                 "step": (lambda: opt.set_overlap(True), lambda: step("step"))}
+        kinds = {"compute": (nothing, local_step), "step": (nothing, lambda: step("step"))}
         if system.get("measure_overlap"):  # the same steps, everything pushed after backward
+            kinds["step"] = (lambda: opt.set_overlap(True), lambda: step("step"))
             kinds["no_overlap"] = (lambda: opt.set_overlap(False), lambda: step("no_overlap"))
-        interleaved(kinds, args.warmup)
+        # an overlap="auto" trial settles for 3 steps, then times trial_steps() of each mode:
+        # it has chosen before the timed rounds
+        interleaved(kinds, max(args.warmup, 3 + 2 * trial_steps()) if overlap == "auto" else args.warmup)
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
         times = interleaved(kinds, args.steps)
         pushes = args.steps * (len(kinds) - 1)  # both kinds of step push the same
@@ -142,6 +155,8 @@ def worker(args: argparse.Namespace) -> None:
         result.update(summary("step"))
         if "no_overlap" in times:
             result["no_overlap"] = summary("no_overlap")
+        if overlap == "auto":
+            result["overlap"] = opt.overlap  # what the trial chose
         rank = bps.rank()
         bps.shutdown()
     else:
@@ -167,9 +182,6 @@ def worker(args: argparse.Namespace) -> None:
             opt.zero_grad()
             loss_of(ddp).backward()
             opt.step()
-
-        def nothing():
-            pass
 
         kinds = {"compute": (nothing, local_step), "step": (nothing, step)}
         interleaved(kinds, args.warmup)
@@ -235,6 +247,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = []
         for system, r in by_system.items():
+            if "overlap" in r:
+                system += f" (chose {'overlap' if r['overlap'] else 'no overlap'})"
             rows.append((system, r))
             if "no_overlap" in r:
                 rows.append((f"{system}, no overlap", r["no_overlap"]))

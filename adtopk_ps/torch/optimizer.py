@@ -17,6 +17,7 @@ from ..client import Handle
 from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
                            create)
 from .fusion import Bucket, fusion_bytes, plan_buckets
+from .overlap import OverlapTrial
 from .runtime import client
 
 
@@ -73,9 +74,11 @@ class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step: int,
-               overlap: bool, fusion: int | None) -> None:
+               overlap: bool | str, fusion: int | None) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if overlap not in (True, False, "auto"):
+            raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
         in_groups = {id(p) for group in self.param_groups for p in group["params"]}
         if named_parameters is None:
             named = [(f"param.{i}", p) for i, p in enumerate(
@@ -108,14 +111,25 @@ class _Distributed:
         for bucket in self._buckets:
             c.declare(bucket.name, bucket.buffer)
         self._hooks: list = []
-        self.set_overlap(overlap)
+        self._trial = OverlapTrial() if overlap == "auto" else None
+        self._hook_up(overlap in (True, "auto"))  # a trial starts with overlap
 
     def set_overlap(self, overlap: bool) -> None:
-        """Push each gradient as backward produces it (True), or all of them in ``step()``.
+        """Push each gradient as backward produces it (True), or all of them in ``step()``;
+        ends an ``overlap="auto"`` trial.
 
         Between steps only: the benchmarks switch it step by step to measure,
         under the same conditions, what overlap hides.
         """
+        self._trial = None
+        self._hook_up(overlap)
+
+    @property
+    def overlap(self) -> bool:
+        """Whether gradients leave during backward in the coming step."""
+        return self._overlap
+
+    def _hook_up(self, overlap: bool) -> None:
         if self._handles or self._bucket_handles or self._passes:
             raise RuntimeError("set_overlap() while gradients are in flight; call step() or "
                                "synchronize() first")
@@ -123,6 +137,7 @@ class _Distributed:
             handle.remove()
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(name))
                        for name, p in self._named] if overlap else []
+        self._overlap = overlap
 
     def _make_hook(self, name: str):
         def hook(p: torch.Tensor) -> None:
@@ -186,7 +201,12 @@ class _Distributed:
             raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
         self._synchronized = False
         self._ps_steps += 1
-        return super().step(closure)
+        loss = super().step(closure)
+        if self._trial is not None:
+            mode = self._trial.next_mode()
+            if mode != self.overlap:
+                self._hook_up(mode)
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._handles or self._bucket_handles:
@@ -213,7 +233,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: Compressor | str | Mapping | GradientCompression | None = None,
                          backward_passes_per_step: int = 1,
-                         overlap: bool = True,
+                         overlap: bool | str = True,
                          fusion_bytes: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
@@ -222,7 +242,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     :class:`GradientCompression` with its own policy. Tensors the policy
     sends dense (biases, norms, small layers) skip the compressor.
     ``overlap=False`` pushes everything in ``step()`` instead of during the
-    backward pass (the benchmarks use it to measure what overlap hides).
+    backward pass; ``"auto"`` times steps both ways and keeps the faster
+    (:mod:`.overlap`: it pays to push after backward where no core is free).
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
     """
