@@ -5,8 +5,6 @@ import torch
 import adtopk_ps.torch as bps
 from adtopk_ps.torch.overlap import OverlapTrial
 
-from procs import roles
-
 
 def run_trial(with_overlap: float, without: float, steps: int = 3, warmup: int = 2, total: int = 20):
     """Modes chosen step by step when a step takes the given seconds in each mode."""
@@ -38,14 +36,6 @@ def test_medians_ignore_an_odd_slow_step():
         now[0] += next(durations[mode])
         mode = trial.next_mode()
     assert trial.choice is True  # one 500 ms hiccup does not decide it
-
-
-@pytest.fixture
-def session():
-    with roles(1, 1) as (config, _):
-        bps.init(config)
-        yield
-        bps.shutdown()
 
 
 def test_auto_trial_in_a_real_job_keeps_every_step_exact(session, monkeypatch):

@@ -4,16 +4,6 @@ import torch
 
 import adtopk_ps.torch as bps
 
-from procs import roles
-
-
-@pytest.fixture
-def session():
-    with roles(1, 1) as (config, _):
-        bps.init(config)
-        yield
-        bps.shutdown()
-
 
 def _model():
     torch.manual_seed(0)
