@@ -121,8 +121,8 @@ class _Distributed:
         Between steps only: the benchmarks switch it step by step to measure,
         under the same conditions, what overlap hides.
         """
-        self._trial = None
         self._hook_up(overlap)
+        self._trial = None
 
     @property
     def overlap(self) -> bool:
