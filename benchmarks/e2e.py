@@ -119,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False))
-        from adtopk_ps.torch.overlap import trial_steps
+        from adtopk_ps.torch.overlap import steps_to_choose
         overlap = system.get("overlap", True)
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        model.named_parameters(), compression, overlap=overlap)
@@ -139,9 +139,8 @@ def worker(args: argparse.Namespace) -> None:
         if system.get("measure_overlap"):  # the same steps, everything pushed after backward
             kinds["step"] = (lambda: opt.set_overlap(True), lambda: step("step"))
             kinds["no_overlap"] = (lambda: opt.set_overlap(False), lambda: step("no_overlap"))
-        # an overlap="auto" trial settles for 3 steps, then times trial_steps() of each mode:
-        # it has chosen before the timed rounds
-        interleaved(kinds, max(args.warmup, 3 + 2 * trial_steps()) if overlap == "auto" else args.warmup)
+        # an overlap="auto" trial has chosen before the timed rounds
+        interleaved(kinds, max(args.warmup, steps_to_choose()) if overlap == "auto" else args.warmup)
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
         times = interleaved(kinds, args.steps)
         pushes = args.steps * (len(kinds) - 1)  # both kinds of step push the same

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import adtopk_ps.torch as bps
-from adtopk_ps.torch.overlap import OverlapTrial
+from adtopk_ps.torch.overlap import OverlapTrial, steps_to_choose
 
 
 def run_trial(with_overlap: float, without: float, steps: int = 3, warmup: int = 2, total: int = 20):
@@ -22,6 +22,7 @@ def test_the_faster_mode_stays_after_alternating():
     # 3 settling steps with overlap, then alternation until 3 of each are timed
     assert modes[:9] == [True, True, True, False, True, False, True, False, True]
     assert trial.times == {True: pytest.approx([0.010] * 3), False: pytest.approx([0.008] * 3)}
+    assert steps_to_choose(3, 2) == 9
     assert trial.choice is False and set(modes[9:]) == {False}
     trial, modes = run_trial(with_overlap=0.008, without=0.010)
     assert trial.choice is True and set(modes[9:]) == {True}
@@ -59,7 +60,7 @@ def test_auto_trial_in_a_real_job_keeps_every_step_exact(session, monkeypatch):
             opt.step()
         opt.zero_grad()
     assert modes[:3] == [True, True, True] and False in modes[3:7]  # both ways were tried
-    assert len(set(modes[8:])) == 1  # then one of them stayed
+    assert steps_to_choose() == 7 and len(set(modes[7:])) == 1  # then one of them stayed
     opt.set_overlap(True)  # an explicit choice ends the trial
     assert opt.overlap is True
 

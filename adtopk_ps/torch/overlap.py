@@ -20,6 +20,7 @@ from typing import Callable
 from ..env import env_int
 
 log = logging.getLogger("adtopk_ps.overlap")
+WARMUP = 2  # timed steps left out before alternating (the first step is never timed)
 
 
 def trial_steps() -> int:
@@ -27,10 +28,15 @@ def trial_steps() -> int:
     return env_int("PS_OVERLAP_TRIAL_STEPS", 8, minimum=1)
 
 
+def steps_to_choose(steps: int | None = None, warmup: int = WARMUP) -> int:
+    """Steps a trial runs before every later one goes the chosen way."""
+    return warmup + 1 + 2 * (trial_steps() if steps is None else steps)
+
+
 class OverlapTrial:
     """Times whole steps (one ``step()`` to the next) in each mode and picks one."""
 
-    def __init__(self, steps: int | None = None, warmup: int = 2,
+    def __init__(self, steps: int | None = None, warmup: int = WARMUP,
                  clock: Callable[[], float] = time.perf_counter):
         self.steps = trial_steps() if steps is None else steps
         self.warmup, self.clock = warmup, clock
