@@ -80,13 +80,14 @@ def unfused(ef):
 @settings(max_examples=80, deadline=None)
 @given(lead=st.integers(1, 5), n=st.sampled_from([64, 200, 1024, 4096]),
        rest=st.sampled_from([(), (3,), (2, 3)]), ratio=st.sampled_from([0.01, 0.03, 0.06]),
-       name=st.sampled_from(["adtopk", "adtopk-i"]), layout=st.sampled_from(["axis", "rows"]),
+       name=st.sampled_from(["adtopk", "adtopk-i", "topk"]), layout=st.sampled_from(["axis", "rows"]),
        ties=st.booleans(), seed=st.integers(0, 2**16))
 def test_fused_error_feedback_equals_the_three_passes(lead, n, rest, ratio, name, layout, ties, seed):
     # compensate + select + residual update in one kernel: same payloads, same residuals, bit for bit
     from adtopk_ps.compression import create
     gen = torch.Generator().manual_seed(seed)
-    spec = {"compressor": name, "k": ratio, "ef": "vanilla", "layout": layout}
+    spec = {"compressor": name, "k": ratio, "ef": "vanilla",
+            **({} if name == "topk" else {"layout": layout})}
     fused, plain = create(spec), unfused(create(spec))
     for step in range(4):
         g = torch.randn((lead, n, *rest), generator=gen)
@@ -110,6 +111,29 @@ def test_fused_path_is_taken_on_layer_shapes():
     before = residual.clone() + g
     payload = ef.inner.compress_with_feedback(g, residual, "w")
     assert payload is not None and payload.values.shape == (250, 40)
+    assert torch.equal(payload.decompress() + residual, before)
+
+
+def test_global_topk_uses_the_kernel_on_a_layer():
+    flat = torch.randn(1 << 18)
+    k = 1 << 11
+    assert select._kernel_applies(flat.view(1, -1), k)
+    got, want = select.global_topk(flat, k), flat.abs().topk(k).indices
+    assert got.unique().numel() == k
+    assert torch.equal(flat[got].abs().sort().values, flat[want].abs().sort().values)
+
+
+@pytest.mark.parametrize("name", ["topk", "adtopk-i"])
+def test_fused_global_turn_is_taken(name):
+    # topk on every call, adtopk-i on its odd (global) turns: the whole tensor as one fibre
+    from adtopk_ps.compression import create
+    ef = create({"compressor": name, "k": 0.01, "ef": "vanilla"})
+    g = torch.randn(250, 4096)
+    ef.compress(g, "w")  # the first call creates the residual (and is adtopk-i's fibre turn)
+    residual = ef.memory.residuals["w"]
+    before = residual.clone() + g
+    payload = ef.inner.compress_with_feedback(g, residual, "w")
+    assert payload is not None and payload.codec == "coo" and payload.values.numel() == 10240
     assert torch.equal(payload.decompress() + residual, before)
 
 

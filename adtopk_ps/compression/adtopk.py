@@ -104,8 +104,9 @@ class ADTopkInterleaved(ADTopk):
                                step: int = 0, ratio: float | None = None) -> Payload | None:
         turn = self.calls.get(name, 0)
         if turn % 2:
-            return None  # global top-k's turn: the unfused path
-        payload = super().compress_with_feedback(tensor, residual, name, step, ratio)
+            payload = self._coo_with_feedback(tensor, residual, ratio)
+        else:
+            payload = super().compress_with_feedback(tensor, residual, name, step, ratio)
         if payload is not None:
             self.calls[name] = turn + 1
         return payload

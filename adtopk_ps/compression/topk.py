@@ -16,3 +16,7 @@ class TopK(Compressor):
         flat = flat_of(tensor)
         k = global_k(flat.numel(), self._ratio(ratio))
         return self._coo(tensor, flat, global_topk(flat, k))
+
+    def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
+                               step: int = 0, ratio: float | None = None) -> Payload | None:
+        return self._coo_with_feedback(tensor, residual, ratio)
