@@ -7,23 +7,25 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
     sudo python benchmarks/e2e.py --models vgg resnet18 transformer --links 1gbit
     sudo python benchmarks/e2e.py --scaling --links 1gbit   # model size and W
 
-Each worker's timed rounds take turns: a forward+backward alone (compute, on
-a copy of the model that no optimizer or DDP hooks), a step of the system
-and, for ps-adtopk, the same step with every push left until after backward
-(no overlap); so the machine's drift slows each alike,
-and the exposed communication (step - compute) is measured under the same
-conditions as the step. Every worker, ours and DDP's, runs with the allocator settings
+Every PS system runs with the optimizer's default overlap="auto": its trial
+chooses in steps of their own before the timed rounds (timing
+OVERLAP_TRIAL_STEPS steps each way), and each PS row says which way it chose.
+Each worker's timed rounds then take turns: a forward+backward alone
+(compute, on a copy of the model that no optimizer or DDP hooks), a step of
+the system and, for ps-adtopk, the same step the other way (overlap on or
+off, set between steps); so the machine's drift slows each alike, and the
+exposed communication (step - compute) is measured under the same conditions
+as the step. Every worker, ours and DDP's, runs with the allocator settings
 bpslaunch gives its roles (adtopk_ps/allocator.py). Every system runs
---trials times, in alternating order, and the report keeps its fastest run:
-this machine is shared, and a slow run says more about its neighbours than
-about the system. Reported per step: the whole step, the CPU time of worker
-0's process (all its threads: where our PS and DDP differ in overhead),
-compute, compression (PS), the wait for answers after backward (PS), and
-what is left (communication not hidden by the backward pass). "hidden" is
-the share of ADTopk's compression and communication that overlap hides:
-1 - (overlapped step - compute) / (step without overlap - compute).
-ps-adtopk-auto is ADTopk with overlap="auto": its trial runs in the warm-up
-rounds, and its row says which way it chose.
+--trials times, in alternating order; the table keeps each system's fastest
+run (this machine is shared, and a slow run says more about its neighbours
+than about the system), and a second table sets every trial against DDP
+dense's trial of the same pass. Reported per step: the whole step, the CPU
+time of worker 0's process (all its threads: where our PS and DDP differ in
+overhead), compute, compression (PS), the wait for answers after backward
+(PS), and what is left (communication not hidden by the backward pass).
+"hidden" is the share of ADTopk's compression and communication that
+overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
 """
 from __future__ import annotations
 
@@ -42,13 +44,14 @@ SYSTEMS = {
     "ps-dense": {"kind": "ps", "compressor": "none"},
     "ps-topk": {"kind": "ps", "compressor": "topk"},
     "ps-adtopk": {"kind": "ps", "compressor": "adtopk", "measure_overlap": True},
-    "ps-adtopk-auto": {"kind": "ps", "compressor": "adtopk", "overlap": "auto"},
     "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
     "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
     "ddp-adtopk": {"kind": "ddp", "hook": "adtopk"},
 }
+# steps the overlap="auto" trial times each way (jobs default to 8; PS_OVERLAP_TRIAL_STEPS overrides)
+OVERLAP_TRIAL_STEPS = 4
 # name: (architecture, its parameters, input kind). "vgg" has VGG's own 4096-wide classifier;
 # the smaller two are the scaling study's model sizes
 SCALING_SYSTEMS = ["ps-dense", "ps-adtopk", "ddp-dense", "ddp-powersgd"]
@@ -120,11 +123,10 @@ def worker(args: argparse.Namespace) -> None:
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False))
         from adtopk_ps.torch.overlap import steps_to_choose
-        overlap = system.get("overlap", True)
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       model.named_parameters(), compression, overlap=overlap)
+                                       model.named_parameters(), compression)  # overlap="auto"
         client = bps.client()
-        waits: dict[str, list[float]] = {"step": [], "no_overlap": []}
+        waits: dict[str, list[float]] = {"step": [], "other": []}
 
         def step(kind):
             opt.zero_grad()
@@ -135,12 +137,14 @@ def worker(args: argparse.Namespace) -> None:
             with opt.skip_synchronize():
                 opt.step()
 
+        # the overlap trial chooses in steps of their own, then every kind warms up
+        interleaved({"step": (nothing, lambda: step("step"))}, steps_to_choose())
+        chose = opt.overlap
         kinds = {"compute": (nothing, local_step), "step": (nothing, lambda: step("step"))}
-        if system.get("measure_overlap"):  # the same steps, everything pushed after backward
-            kinds["step"] = (lambda: opt.set_overlap(True), lambda: step("step"))
-            kinds["no_overlap"] = (lambda: opt.set_overlap(False), lambda: step("no_overlap"))
-        # an overlap="auto" trial has chosen before the timed rounds
-        interleaved(kinds, max(args.warmup, steps_to_choose()) if overlap == "auto" else args.warmup)
+        if system.get("measure_overlap"):  # the same steps the other way, to measure what overlap hides
+            kinds["step"] = (lambda: opt.set_overlap(chose), lambda: step("step"))
+            kinds["other"] = (lambda: opt.set_overlap(not chose), lambda: step("other"))
+        interleaved(kinds, args.warmup)
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
         times = interleaved(kinds, args.steps)
         pushes = args.steps * (len(kinds) - 1)  # both kinds of step push the same
@@ -151,11 +155,9 @@ def worker(args: argparse.Namespace) -> None:
                     "compress_s": (client.compress_seconds - c0) / pushes,
                     "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
 
-        result.update(summary("step"))
-        if "no_overlap" in times:
-            result["no_overlap"] = summary("no_overlap")
-        if overlap == "auto":
-            result["overlap"] = opt.overlap  # what the trial chose
+        result.update(summary("step"), overlap=chose)
+        if "other" in times:
+            result["other"] = summary("other")
         rank = bps.rank()
         bps.shutdown()
     else:
@@ -205,6 +207,7 @@ def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> 
                DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
                GLOO_SOCKET_IFNAME="eth0")  # gloo's own address lookup would leave the namespace
+    env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1]]
@@ -234,8 +237,45 @@ def speedup(base: dict | None, r: dict) -> str:
     return "-" if base is None or "step_s" not in base else f"{base['step_s'] / r['step_s']:.2f}x"
 
 
+def fastest(trials: list[dict]) -> dict:
+    """The trial a system's row shows: its fastest (a failed one only if all failed)."""
+    ran = [r for r in trials if "step_s" in r]
+    return min(ran, key=lambda r: r["step_s"]) if ran else (trials[0] if trials else {})
+
+
+def best_of(results: dict) -> dict:
+    return {group: {system: fastest(trials) for system, trials in by_system.items()}
+            for group, by_system in results.items()}
+
+
+def trial_by_trial(by_system: dict) -> list[str]:
+    """Every trial against DDP dense's trial of the same pass: the step ratio, and the ratio
+    of each side's step to its own compute (forward + backward in the same rounds), which
+    cancels the machine's drift between the two runs."""
+    ddp = by_system.get("ddp-dense", [])
+    out = []
+    for system, trials in by_system.items():
+        if system.startswith("ddp-dense"):
+            continue
+        pairs = [(d, r) for d, r in zip(ddp, trials) if "step_s" in d and "step_s" in r]
+        if not pairs:
+            continue
+        raw = [d["step_s"] / r["step_s"] for d, r in pairs]
+        same = [(d["step_s"] / d["compute_s"]) / (r["step_s"] / r["compute_s"]) for d, r in pairs]
+        cells = " | ".join(f"{a:.2f}x ({b:.2f}x)" for a, b in zip(raw, same))
+        out.append(f"| {system} | {cells} | {min(same):.2f}x | {sum(v > 1 for v in same)} of {len(same)} |")
+    if not out:
+        return []
+    n = max(len(t) for t in by_system.values())
+    return ["", "Against DDP dense trial by trial: step ratio (in brackets, with each side's step taken "
+            "over its own compute: the same comparison without the drift between runs)", "",
+            "| system | " + " | ".join(f"trial {i + 1}" for i in range(n)) + " | lowest (same compute) "
+            "| faster (same compute) |", "|---|" + "---:|" * (n + 2), *out]
+
+
 def report(results: dict, args: argparse.Namespace) -> str:
     out = []
+    trials, results = results, best_of(results)
     for (model, link, workers), by_system in results.items():
         ddp, ps = by_system.get("ddp-dense"), by_system.get("ps-dense")
         params = next((r["params"] for r in by_system.values() if "params" in r), 0)
@@ -246,11 +286,9 @@ def report(results: dict, args: argparse.Namespace) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = []
         for system, r in by_system.items():
-            if "overlap" in r:
-                system += f" (chose {'overlap' if r['overlap'] else 'no overlap'})"
-            rows.append((system, r))
-            if "no_overlap" in r:
-                rows.append((f"{system}, no overlap", r["no_overlap"]))
+            rows.append((system + (f" (chose {mode(r['overlap'])})" if "overlap" in r else ""), r))
+            if "other" in r:
+                rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
         for system, r in rows:
             if "error" in r:
                 out.append(f"| {system} | failed: {r['error']} ||||||||||")
@@ -262,15 +300,16 @@ def report(results: dict, args: argparse.Namespace) -> str:
                        f"{ms(r.get('wait_s'))} | "
                        f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
                        f"{speedup(ddp, r)} | {speedup(ps, r)} |")
-        ov = by_system.get("ps-adtopk", {})
-        no = ov.get("no_overlap")
-        if no:
+        chosen = by_system.get("ps-adtopk", {})
+        if "other" in chosen:
+            ov, no = (chosen, chosen["other"]) if chosen["overlap"] else (chosen["other"], chosen)
             exposed = no["step_s"] - no["compute_s"]  # none left to hide when noise makes it <= 0
             hidden = "-" if exposed <= 0 else f"{1 - max(0.0, ov['step_s'] - ov['compute_s']) / exposed:.0%}"
             out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden} "
                        f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
                        f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
                        f"taking turns in one run)")
+        out += trial_by_trial(trials[(model, link, workers)])
         out.append("")
     if args.scaling:
         systems = list(next(iter(results.values())))
@@ -284,6 +323,10 @@ def report(results: dict, args: argparse.Namespace) -> str:
             out.append(f"| {model} | {params / 1e6:.1f} | {workers} | " + " | ".join(steps) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def mode(overlap: bool) -> str:
+    return "overlap" if overlap else "no overlap"
 
 
 def chart(results: dict, path: Path) -> None:
@@ -353,7 +396,7 @@ def main() -> None:
         args.workers = workers
         with netns.hosts(names, rate=link) as net:
             for model in models:
-                by_system = results.setdefault((model, link, workers), {s: {} for s in systems})
+                by_system = results.setdefault((model, link, workers), {s: [] for s in systems})
                 for trial in range(args.trials):  # the order flips each trial, so drift hits all alike
                     for system in systems if trial % 2 == 0 else systems[::-1]:
                         try:
@@ -364,16 +407,13 @@ def main() -> None:
                                                     lines[0])}
                             print(str(exc)[-3000:], file=sys.stderr, flush=True)
                         print(f"{model} {link} W={workers} {system} trial {trial}: {result}", flush=True)
-                        best = by_system[system]
-                        if "step_s" in result and result["step_s"] < best.get("step_s", float("inf")) \
-                                or not best:
-                            by_system[system] = result
+                        by_system[system].append(result)
     text = report(results, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "e2e-scaling" if args.scaling else "-".join(["e2e", *args.models]) if args.models != ["vgg"] else "e2e"
     (out / f"{stem}.md").write_text(text + "\n")
-    chart(results, out / f"{stem}.png")
+    chart(best_of(results), out / f"{stem}.png")
     print(text)
 
 

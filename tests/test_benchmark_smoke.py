@@ -1,4 +1,5 @@
 """The benchmarks run and report what they promise (figures are not asserted)."""
+import os
 import re
 import subprocess
 import sys
@@ -36,18 +37,24 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
          "--systems", "ps-adtopk", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
          "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PS_OVERLAP_TRIAL_STEPS": "1"})  # the shortest overlap trial
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "e2e-vgg-1024.md").read_text()
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| ([\w-]+) \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
+        r"^\| ([\w-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
     assert set(rows) == {"ps-adtopk", "ddp-dense"}, report
     assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense
     assert rows["ddp-dense"].group(7) == "1.00"  # the ratio's own baseline
     assert all(int(r.group(4)) > 0 for r in rows.values())  # the worker's CPU per step
-    # ADTopk's steps without overlap ran in the same rounds, and what overlap hides is reported
-    assert re.search(r"^\| ps-adtopk, no overlap \| [\d.]+ \| \d+ \|", report, re.M), report
+    # the PS row says what its overlap trial chose; the other way ran in the same rounds, and
+    # what overlap hides is reported
+    chose = re.search(r"^\| ps-adtopk \(chose ((?:no )?overlap)\) \|", report, re.M).group(1)
+    other = "overlap" if chose == "no overlap" else "no overlap"
+    assert re.search(rf"^\| ps-adtopk, {other} \| [\d.]+ \| \d+ \|", report, re.M), report
     assert re.search(r"hidden by the backward pass: (-?\d+%|-) \(step \d+ ms with overlap, \d+ ms without, "
                      r"forward \+ backward alone \d+ ms", report), report
+    # the trial-by-trial table: the step ratio and the same-compute ratio of the one trial
+    assert re.search(r"^\| ps-adtopk \| [\d.]+x \([\d.]+x\) \| [\d.]+x \| [01] of 1 \|$", report, re.M), report
     assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0

@@ -233,7 +233,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: Compressor | str | Mapping | GradientCompression | None = None,
                          backward_passes_per_step: int = 1,
-                         overlap: bool | str = True,
+                         overlap: bool | str = "auto",
                          fusion_bytes: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
@@ -241,9 +241,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     (``{"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}``) or a
     :class:`GradientCompression` with its own policy. Tensors the policy
     sends dense (biases, norms, small layers) skip the compressor.
-    ``overlap=False`` pushes everything in ``step()`` instead of during the
-    backward pass; ``"auto"`` times steps both ways and keeps the faster
-    (:mod:`.overlap`: it pays to push after backward where no core is free).
+    ``overlap=True`` pushes each gradient during the backward pass,
+    ``False`` everything in ``step()``; the default ``"auto"`` times steps
+    both ways and keeps the faster (:mod:`.overlap`: overlap pays where a
+    core is free, pushing after backward where none is).
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
     """
