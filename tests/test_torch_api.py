@@ -22,8 +22,11 @@ def test_gradient_accumulation_pushes_once_per_step(session):
     opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    model.named_parameters(), backward_passes_per_step=2)
     batches = [torch.randn(4, 40) for _ in range(2)]
-    for x in batches:
+    for i, x in enumerate(batches):
         model(x).sum().backward()
+        if i == 0:  # the first pass's gradients are part of the step: not to be dropped
+            with pytest.raises(RuntimeError, match="between the 2 backward passes"):
+                opt.zero_grad()
     expected = {n: p.grad.clone() for n, p in model.named_parameters()}
     opt.synchronize()
     for n, p in model.named_parameters():

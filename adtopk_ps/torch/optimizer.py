@@ -212,6 +212,11 @@ class _Distributed:
         if self._handles or self._bucket_handles:
             raise RuntimeError("zero_grad() while gradients are in flight; call step() or "
                                "synchronize() first")
+        if self._passes:  # (counted by the overlap hooks; without them this cannot be seen)
+            raise RuntimeError(
+                f"zero_grad() between the {self._passes_per_step} backward passes of one step "
+                f"(backward_passes_per_step) would drop the gradients accumulated so far; call "
+                f"step() after the last pass first")
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
