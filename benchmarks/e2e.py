@@ -156,6 +156,12 @@ def worker(args: argparse.Namespace) -> None:
                     "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
 
         result.update(summary("step"), overlap=chose)
+        sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+        dense = [name for name, route in compression.routes.items() if route.dense]
+        result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
+        cost = compression.policy.cost_model
+        if cost is not None:
+            result["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element}
         if "other" in times:
             result["other"] = summary("other")
         rank = bps.rank()
@@ -309,6 +315,14 @@ def report(results: dict, args: argparse.Namespace) -> str:
                        f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
                        f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
                        f"taking turns in one run)")
+        cost = by_system.get("ps-adtopk+cost", {})
+        if "cost" in cost and "dense" in by_system.get("ps-adtopk", {}):
+            (n, total, share), (n0, _, share0) = cost["dense"], by_system["ps-adtopk"]["dense"]
+            out.append(f"\nCost model (ps-adtopk+cost): dense push + pull measured at "
+                       f"{cost['cost']['bytes_per_s'] / 1e6:.0f} MB/s through the servers, ADTopk at "
+                       f"{1e9 * cost['cost']['s_per_element']:.1f} ns per element; it sent {n} of {total} "
+                       f"tensors dense ({share:.1%} of the parameters), where partial sparsification "
+                       f"alone sends {n0} ({share0:.1%})")
         out += trial_by_trial(trials[(model, link, workers)])
         out.append("")
     if args.scaling:

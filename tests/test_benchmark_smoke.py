@@ -32,19 +32,19 @@ def test_compression_benchmark_prints_a_row_per_compressor():
 
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
-    # the smallest run that still crosses namespace hosts: one PS system, one DDP system
+    # the smallest run that still crosses namespace hosts: PS systems and a DDP system
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
-         "--systems", "ps-adtopk", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
+         "--systems", "ps-adtopk", "ps-adtopk+cost", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
          "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PS_OVERLAP_TRIAL_STEPS": "1"})  # the shortest overlap trial
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "e2e-vgg-1024.md").read_text()
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| ([\w-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
+        r"^\| ([\w+-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
-    assert set(rows) == {"ps-adtopk", "ddp-dense"}, report
+    assert set(rows) == {"ps-adtopk", "ps-adtopk+cost", "ddp-dense"}, report
     assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense
     assert rows["ddp-dense"].group(7) == "1.00"  # the ratio's own baseline
     assert all(int(r.group(4)) > 0 for r in rows.values())  # the worker's CPU per step
@@ -55,6 +55,12 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert re.search(rf"^\| ps-adtopk, {other} \| [\d.]+ \| \d+ \|", report, re.M), report
     assert re.search(r"hidden by the backward pass: (-?\d+%|-) \(step \d+ ms with overlap, \d+ ms without, "
                      r"forward \+ backward alone \d+ ms", report), report
+    # what the measured cost model decided, against partial sparsification alone
+    cost = re.search(r"dense push \+ pull measured at (\d+) MB/s through the servers, ADTopk at ([\d.]+) ns "
+                     r"per element; it sent (\d+) of (\d+) tensors dense \([\d.]+% of the parameters\), "
+                     r"where partial sparsification alone sends (\d+)", report)
+    assert cost and int(cost.group(1)) > 0 and float(cost.group(2)) > 0, report
+    assert int(cost.group(5)) <= int(cost.group(3)) <= int(cost.group(4))
     # the trial-by-trial table: the step ratio and the same-compute ratio of the one trial
     assert re.search(r"^\| ps-adtopk \| [\d.]+x \([\d.]+x\) \| [\d.]+x \| [01] of 1 \|$", report, re.M), report
     assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0
