@@ -10,7 +10,8 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
 Every PS system runs with the optimizer's default overlap="auto": its trial
 chooses in steps of their own before the timed rounds (timing
 OVERLAP_TRIAL_STEPS steps each way), and each PS row says which way it chose.
-Each worker's timed rounds then take turns: a forward+backward alone
+Each worker's timed rounds then take turns, in an order that rotates every
+round: a forward+backward alone
 (compute, on a copy of the model that no optimizer or DDP hooks), a step of
 the system and, for ps-adtopk, the same step the other way (overlap on or
 off, set between steps); so the machine's drift slows each alike, and the
@@ -87,11 +88,17 @@ def worker(args: argparse.Namespace) -> None:
 
     def interleaved(kinds: dict, rounds: int) -> dict[str, tuple[float, float]]:
         """Wall and CPU seconds (every thread of this worker) per step of each kind, the kinds
-        taking turns, so that this machine's drift slows them alike. ``kinds``: name ->
-        (prepare, step); prepare is not timed."""
+        taking turns, so that this machine's drift slows them alike; the order rotates every
+        round, so that each kind follows each other kind as often (in a fixed order the
+        system's step always came right after the twin's forward + backward and the step the
+        other way right after it, and whatever the one before leaves behind, caches or
+        allocator state, fell on one kind). ``kinds``: name -> (prepare, step); prepare is
+        not timed."""
         wall, cpu = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
-        for _ in range(rounds):
-            for name, (prepare, fn) in kinds.items():
+        names = list(kinds)
+        for turn in range(rounds):
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                prepare, fn = kinds[name]
                 prepare()
                 started, cpu_started = time.perf_counter(), time.process_time()
                 fn()
