@@ -1,9 +1,11 @@
 """DistributedOptimizer: gradients leave for the servers as soon as backward produces them.
 
-A hook on every parameter starts its compress + push as soon as its gradient
-has been accumulated, so communication overlaps the rest of the backward
-pass. ``step()`` waits for the answers, writes the averaged gradients into
-``p.grad`` and then runs the wrapped optimizer.
+With overlap, a hook on every parameter starts its compress + push as soon
+as its gradient has been accumulated, so communication overlaps the rest of
+the backward pass; without it, ``step()`` pushes them all (``overlap="auto"``,
+the default, times both, see :mod:`.overlap`). ``step()`` waits for the
+answers, writes the averaged gradients into ``p.grad`` and then runs the
+wrapped optimizer.
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """``overlap="auto"``: try pushing during backward and after it, keep the faster.
 
-Overlap pays where a core is free for the engine thread. Where every core is
-busy (more processes than cores, servers on the workers' hosts) the engine's
-compression takes the CPU the backward pass needs, and pushing after backward
-measured as fast or faster (e2e benchmark, two workers on two cores: VGG 334
-against 323 ms a step, the Transformer 827 against 779; with a core to spare,
-231 against 254). Which holds depends on the job's hosts, so it is measured
+Overlap pays where a core is free for the engine thread (e2e benchmark, VGG,
+one worker on two cores: 179 ms a step with overlap, 222 without). Where
+every core is busy (more processes than cores, servers on the workers' hosts)
+the engine's compression takes the CPU the backward pass needs, and the two
+ways measured within 1-8% of each other, either one faster (two workers on two
+cores: VGG 264 against 273 ms, ResNet-18 475 against 459). Which holds depends
+on the job's hosts, so it is measured
 in the job: after a few steps to settle in, steps alternate between the two,
 so that a shared machine's drift slows both alike, and the one with the
 lower median step time stays.
