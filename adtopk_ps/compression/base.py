@@ -71,8 +71,7 @@ class Compressor(ABC):
         return values.to(self.value_dtype)
 
     def _coo(self, tensor: torch.Tensor, flat: torch.Tensor, positions: torch.Tensor) -> Payload:
-        return Payload("coo", tuple(tensor.shape), tensor.dtype, self._values(flat[positions]),
-                       positions.to(index_dtype(flat.numel())))
+        return _coo_payload(tensor, self._values(flat[positions]), positions)
 
     def _coo_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor,
                            ratio: float | None) -> Payload | None:
@@ -86,11 +85,16 @@ class Compressor(ABC):
         if found is None:
             return None
         positions, values = found
-        return Payload("coo", tuple(tensor.shape), tensor.dtype, values.view(-1),
-                       positions.view(-1).to(index_dtype(n)))
+        return _coo_payload(tensor, values.view(-1), positions.view(-1))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ratio={self.ratio})"
+
+
+def _coo_payload(tensor: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Payload:
+    """Flat positions travel in the narrowest type that holds the tensor's size."""
+    return Payload("coo", tuple(tensor.shape), tensor.dtype, values,
+                   positions.to(index_dtype(tensor.numel())))
 
 
 def global_k(numel: int, ratio: float) -> int:
