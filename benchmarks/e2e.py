@@ -163,7 +163,7 @@ def worker(args: argparse.Namespace) -> None:
                     "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
 
         result.update(summary("step"), overlap=chose)
-        sizes = dict((name, p.numel()) for name, p in model.named_parameters())
+        sizes = {name: p.numel() for name, p in model.named_parameters()}
         dense = [name for name, route in compression.routes.items() if route.dense]
         result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
         cost = compression.policy.cost_model
@@ -268,7 +268,7 @@ def trial_by_trial(by_system: dict) -> list[str]:
     ddp = by_system.get("ddp-dense", [])
     out = []
     for system, trials in by_system.items():
-        if system.startswith("ddp-dense"):
+        if system == "ddp-dense":
             continue
         pairs = [(d, r) for d, r in zip(ddp, trials) if "step_s" in d and "step_s" in r]
         if not pairs:
@@ -286,9 +286,9 @@ def trial_by_trial(by_system: dict) -> list[str]:
             "| faster (same compute) |", "|---|" + "---:|" * (n + 2), *out]
 
 
-def report(results: dict, args: argparse.Namespace) -> str:
+def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
+    """``trials``: every run of every system; ``results``: the fastest of each (best_of)."""
     out = []
-    trials, results = results, best_of(results)
     for (model, link, workers), by_system in results.items():
         ddp, ps = by_system.get("ddp-dense"), by_system.get("ps-dense")
         params = next((r["params"] for r in by_system.values() if "params" in r), 0)
@@ -429,12 +429,13 @@ def main() -> None:
                             print(str(exc)[-3000:], file=sys.stderr, flush=True)
                         print(f"{model} {link} W={workers} {system} trial {trial}: {result}", flush=True)
                         by_system[system].append(result)
-    text = report(results, args)
+    best = best_of(results)
+    text = report(results, best, args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "e2e-scaling" if args.scaling else "-".join(["e2e", *args.models]) if args.models != ["vgg"] else "e2e"
     (out / f"{stem}.md").write_text(text + "\n")
-    chart(best_of(results), out / f"{stem}.png")
+    chart(best, out / f"{stem}.png")
     print(text)
 
 
