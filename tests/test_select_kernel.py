@@ -57,6 +57,20 @@ def test_nan_is_kept_like_torch():
                        x[[0, 2, 3]].abs().topk(8, dim=1).values.sort(dim=1).values)
 
 
+@pytest.mark.parametrize("shape,k", [((19, 100), 1), ((19, 256), 2), ((64, 64, 3, 3), 1),
+                                     ((5, 200, 7), 2)])
+def test_streamed_fibres_keep_the_largest_and_break_ties_by_position(shape, k):
+    # k <= 2 streams fibres side by side, 8 rows or a slab's fibres at a time
+    x = torch.randn(shape)
+    got = select.fibre_topk(x, k)
+    assert torch.equal(magnitudes(x, got), magnitudes(x, torch_positions(x, k)))
+    x.select(1, 3).fill_(float("nan"))  # NaN counts as the largest, as in torch.topk
+    assert select.fibre_topk(x, k).eq(3).sum(dim=1).eq(1).all()
+    ties = select.fibre_topk(torch.full(shape, -2.0), k)
+    assert torch.equal(ties.sort(dim=1).values,
+                       torch.arange(k).view(1, k, *[1] * (len(shape) - 2)).expand(ties.shape))
+
+
 def test_all_zero_fibres_give_distinct_positions():
     got = select.fibre_topk(torch.zeros(3, 1024), 16)
     assert all(len(set(row)) == 16 for row in got.tolist())
