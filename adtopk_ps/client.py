@@ -149,6 +149,7 @@ class PSClient:
         self._last: dict[str, Handle] = {}
         self._rounds: dict[int, int] = {}
         self._jobs: list[_Job] = []
+        self._in_hand: _Job | None = None  # the engine's, between the queue and the wire
         self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
         self._commands: list[tuple] = []
         self._seq = itertools.count()
@@ -341,7 +342,9 @@ class PSClient:
                 if not self._jobs:
                     return
                 job = heapq.heappop(self._jobs)
+                self._in_hand = job  # off the queue: if it fails, _fail_all must still find it
             self._send_job(job, servers)
+            self._in_hand = None
 
     def _send_job(self, job: _Job, servers: list[zmq.Socket]) -> None:
         meta = job.meta
@@ -389,6 +392,9 @@ class PSClient:
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
             jobs, self._jobs = self._jobs, []
+            if self._in_hand is not None:
+                jobs.append(self._in_hand)
+                self._in_hand = None
         for job in jobs:
             job.handle._fail(error)
         for part in self._inflight.values():

@@ -26,6 +26,36 @@ def test_later_layers_go_first_when_keys_queue_up(client):
     assert [h.name for h in order] == ["layer3", "layer2", "layer1", "layer0"]
 
 
+class Failing:
+    """A compressor that cannot compress one tensor."""
+
+    def __init__(self, name: str):
+        from adtopk_ps.compression import create
+        self.inner, self.name = create("topk", ratio=0.25), name
+
+    def compress(self, tensor, name, step=0, ratio=None):
+        if name.startswith(self.name):
+            raise ValueError(f"cannot compress {name}")
+        return self.inner.compress(tensor, name, step, ratio)
+
+
+def test_a_compression_error_fails_every_handle_at_once():
+    # the tensor whose compression failed was off the queue and not yet in flight: its
+    # handle must fail too, not wait out the push_pull timeout
+    from adtopk_ps.transport import ClusterError
+    with roles(1, 1) as (config, _):
+        c = PSClient(config)
+        comp = Failing("layer0")
+        with c._lock:
+            handles = [c.push_pull(torch.ones(8, 8), f"layer{i}", comp) for i in range(4)]
+        with pytest.raises(ClusterError, match="engine failed: cannot compress layer0"):
+            handles[0].wait(30)
+        assert all(h.done() for h in handles)
+        with pytest.raises(ClusterError):
+            c.push_pull(torch.ones(8, 8), "later")
+        c.shutdown()
+
+
 def test_average_and_sum_and_declared_shapes(client):
     x = torch.arange(12.0).view(3, 4)
     assert torch.equal(client.push_pull(x, "x").wait(10), x)  # one worker: the mean is x
