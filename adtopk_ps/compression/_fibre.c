@@ -185,7 +185,6 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
 }
 
 #define SMALL_K 2  /* k = 3 and 4 measured slower streamed than searched */
-#define ROW_LANES 8  /* contiguous fibres (rest == 1) streamed together */
 
 static inline v4i pick(v4i mask, v4i yes, v4i no)
 {
@@ -217,18 +216,21 @@ static inline v4f magnitude_of(v4f v)
     return (v4f)pick(v != v, (v4i)infinite, (v4i)v);  /* NaN: the largest, as in torch.topk */
 }
 
-/* The K largest |x| of `lanes` fibres stored side by side (entry i of fibre j at
- * src[i * lanes + j], lanes a multiple of 4); their positions go to at ([K, lanes]).
+/* The K largest |x| of `lanes` (at least 4) fibres stored side by side (entry i of fibre j
+ * at src[i * stride + j]); their positions go to at ([K, lanes]). When lanes is not a
+ * multiple of 4, the last 4 overlap the ones before (computed twice, the same).
  * Branch-free vector code, 4 fibres at a time: K selects an entry, where the group
  * search's fixed costs per fibre (a quickselect over the group maxima, candidate
  * compaction) dominate short fibres. Each fibre's two halves are streamed side by side
  * (two independent chains of selects, which the core overlaps), then the second half's
  * best, all at higher positions, are inserted into the first's. */
 static inline __attribute__((always_inline)) void
-stream_k(const float *src, Py_ssize_t n, Py_ssize_t lanes, const int K, int32_t *at)
+stream_k(const float *src, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t lanes, const int K,
+         int32_t *at)
 {
     Py_ssize_t half = n / 2;
-    for (Py_ssize_t j = 0; j < lanes; j += 4) {
+    for (Py_ssize_t j0 = 0; j0 < lanes; j0 += 4) {
+        Py_ssize_t j = j0 + 4 <= lanes ? j0 : lanes - 4;
         v4f b[SMALL_K], c[SMALL_K];
         v4i p[SMALL_K], q[SMALL_K];
         for (int t = 0; t < K; t++) {
@@ -237,15 +239,15 @@ stream_k(const float *src, Py_ssize_t n, Py_ssize_t lanes, const int K, int32_t 
         }
         for (Py_ssize_t i = 0; i < half; i++) {
             v4f u, v;
-            memcpy(&u, src + i * lanes + j, sizeof u);
-            memcpy(&v, src + (i + half) * lanes + j, sizeof v);
+            memcpy(&u, src + i * stride + j, sizeof u);
+            memcpy(&v, src + (i + half) * stride + j, sizeof v);
             const v4i lo = {(int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i};
             insert(b, p, K, magnitude_of(u), lo);
             insert(c, q, K, magnitude_of(v), lo + (int32_t)half);
         }
         for (Py_ssize_t i = 2 * half; i < n; i++) {  /* an odd fibre's last entry */
             v4f v;
-            memcpy(&v, src + i * lanes + j, sizeof v);
+            memcpy(&v, src + i * stride + j, sizeof v);
             insert(c, q, K, magnitude_of(v), (v4i){(int32_t)i, (int32_t)i, (int32_t)i, (int32_t)i});
         }
         for (int t = 0; t < K; t++)  /* largest first, so equal ones keep their order */
@@ -255,59 +257,88 @@ stream_k(const float *src, Py_ssize_t n, Py_ssize_t lanes, const int K, int32_t 
     }
 }
 
-static void stream(const float *src, Py_ssize_t n, Py_ssize_t lanes, Py_ssize_t k, int32_t *at)
+static void stream(const float *src, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t lanes,
+                   Py_ssize_t k, int32_t *at)
 {
     if (k == 1)
-        stream_k(src, n, lanes, 1, at);
+        stream_k(src, n, stride, lanes, 1, at);
     else
-        stream_k(src, n, lanes, 2, at);
+        stream_k(src, n, stride, lanes, 2, at);
 }
 
-/* Lanes for a slab of fibres: `rest` of them side by side, else ROW_LANES rows; padded to
- * a multiple of 4 (the padding lanes are streamed and ignored). */
-static Py_ssize_t lane_count(Py_ssize_t rest)
+static inline float magnitude(float v)
 {
-    return ((rest > 1 ? rest : ROW_LANES) + 3) / 4 * 4;
+    v = fabsf(v);
+    return v != v ? INFINITY : v;
 }
 
-/* select_all for k <= SMALL_K. Fibres are copied side by side into `lanes` (with error
- * feedback's x += grad on the way), a slab at a time, or ROW_LANES contiguous ones at a
- * time. Positions go to out and, with values, the selected entries to values and then
- * to zero. */
+/* The k largest |x| of one contiguous fibre. Its entries i = 4q + l form 4 strided fibres
+ * (l = 0..3) streamed side by side; the fibre's k largest are among their 4k, plus the
+ * n % 4 entries left over, and are picked from those with ties to the lower position.
+ * A fibre too short for k per strided fibre is picked from whole. */
+static void select_row(const float *x, Py_ssize_t n, Py_ssize_t k, int32_t *at)
+{
+    int32_t strided[4 * SMALL_K];
+    float best[SMALL_K];
+    Py_ssize_t groups = n / 4 >= k ? n / 4 : 0, listed = groups ? 4 * k : 0;
+    if (groups)
+        stream(x, groups, 4, 4, k, strided);
+    for (Py_ssize_t t = 0; t < k; t++)
+        best[t] = -1.0f;  /* below every |x| */
+    for (Py_ssize_t c = 0; c < listed + n - 4 * groups; c++) {
+        int32_t pos = c < listed ? strided[c] * 4 + (int32_t)(c % 4) : (int32_t)(4 * groups + c - listed);
+        float v = magnitude(x[pos]);
+        Py_ssize_t t = k;  /* insert below every kept entry that is larger, or as large and before */
+        while (t > 0 && (best[t - 1] < v || (best[t - 1] == v && at[t - 1] > pos)))
+            t--;
+        for (Py_ssize_t u = k - 1; u > t; u--) {
+            best[u] = best[u - 1];
+            at[u] = at[u - 1];
+        }
+        if (t < k) {
+            best[t] = v;
+            at[t] = pos;
+        }
+    }
+}
+
+/* select_all for k <= SMALL_K, a slab at a time (error feedback's x += grad first): its
+ * `rest` fibres lie side by side, and are streamed in place from 4 of them up (fewer are
+ * copied into 4 lanes, the padding streamed and ignored). Positions go to out and, with
+ * values, the selected entries to values and then to zero. */
 static void select_small(float *x, const float *grad, float *values, Py_ssize_t lead,
                          Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes, int32_t *at,
                          int64_t *out)
 {
-    Py_ssize_t w = lane_count(rest), step = rest > 1 ? 1 : ROW_LANES;
-    memset(lanes, 0, sizeof(float) * (size_t)(n * w));
-    for (Py_ssize_t a0 = 0; a0 < lead; a0 += step) {
-        Py_ssize_t rows = lead - a0 < step ? lead - a0 : step;
-        float *slab = x + a0 * n * rest;
-        const float *g = grad != NULL ? grad + a0 * n * rest : NULL;
-        if (g != NULL)
-            for (Py_ssize_t i = 0; i < rows * n * rest; i++)
+    Py_ssize_t w = rest >= 4 ? rest : 4;
+    if (lanes != NULL)
+        memset(lanes, 0, sizeof(float) * (size_t)(n * 4));
+    for (Py_ssize_t a = 0; a < lead; a++) {
+        float *slab = x + a * n * rest;
+        if (grad != NULL) {
+            const float *g = grad + a * n * rest;
+            for (Py_ssize_t i = 0; i < n * rest; i++)
                 slab[i] += g[i];
-        if (rest > 1) {
+        }
+        if (rest >= 4) {
+            stream(slab, n, rest, rest, k, at);
+        } else if (rest > 1) {
             for (Py_ssize_t i = 0; i < n; i++)
                 for (Py_ssize_t j = 0; j < rest; j++)
-                    lanes[i * w + j] = slab[i * rest + j];
+                    lanes[i * 4 + j] = slab[i * rest + j];
+            stream(lanes, n, 4, 4, k, at);
         } else {
-            for (Py_ssize_t r = 0; r < rows; r++)
-                for (Py_ssize_t i = 0; i < n; i++)
-                    lanes[i * w + r] = slab[r * n + i];
+            select_row(slab, n, k, at);
+            w = 1;
         }
-        stream(lanes, n, w, k, at);
-        for (Py_ssize_t j = 0; j < (rest > 1 ? rest : rows); j++) {
-            /* lane j is fibre (a0, :, j) of a slab, or row a0 + j */
-            Py_ssize_t a = rest > 1 ? a0 : a0 + j, col = rest > 1 ? j : 0;
-            float *base = x + a * n * rest + col;
+        for (Py_ssize_t j = 0; j < rest; j++) {
             for (Py_ssize_t t = 0; t < k; t++) {
                 int64_t pos = at[t * w + j];
-                Py_ssize_t o = a * k * rest + t * rest + col;
+                Py_ssize_t o = a * k * rest + t * rest + j;
                 out[o] = pos;
                 if (values != NULL) {
-                    values[o] = base[pos * rest];
-                    base[pos * rest] = 0.0f;
+                    values[o] = slab[pos * rest + j];
+                    slab[pos * rest + j] = 0.0f;
                 }
             }
         }
@@ -359,11 +390,11 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         return NULL;
     }
     if (k <= SMALL_K && n <= INT32_MAX) {
-        Py_ssize_t w = lane_count(rest);
-        float *lanes = malloc(sizeof(float) * (size_t)(n * w));
-        int32_t *at = malloc(sizeof(int32_t) * (size_t)(k * w));
+        int needs_lanes = rest > 1 && rest < 4;
+        float *lanes = needs_lanes ? malloc(sizeof(float) * (size_t)(n * 4)) : NULL;
+        int32_t *at = malloc(sizeof(int32_t) * (size_t)(k * (rest >= 4 ? rest : 4)));
         PyObject *result = NULL;
-        if (at == NULL || lanes == NULL) {
+        if (at == NULL || (needs_lanes && lanes == NULL)) {
             PyErr_NoMemory();
         } else {
             Py_BEGIN_ALLOW_THREADS
