@@ -168,7 +168,8 @@ def worker(args: argparse.Namespace) -> None:
         result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
         cost = compression.policy.cost_model
         if cost is not None:
-            result["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element}
+            result["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element,
+                              "key_s": cost.key_s}
         if "other" in times:
             result["other"] = summary("other")
         rank = bps.rank()
@@ -327,7 +328,8 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
             (n, total, share), (n0, _, share0) = cost["dense"], by_system["ps-adtopk"]["dense"]
             out.append(f"\nCost model (ps-adtopk+cost): dense push + pull measured at "
                        f"{cost['cost']['bytes_per_s'] / 1e6:.0f} MB/s through the servers, ADTopk at "
-                       f"{1e9 * cost['cost']['s_per_element']:.1f} ns per element; it sent {n} of {total} "
+                       f"{1e9 * cost['cost']['s_per_element']:.1f} ns per element, one more key at "
+                       f"{1000 * cost['cost']['key_s']:.2f} ms; it sent {n} of {total} "
                        f"tensors dense ({share:.1%} of the parameters), where partial sparsification "
                        f"alone sends {n0} ({share0:.1%})")
         out += trial_by_trial(trials[(model, link, workers)])

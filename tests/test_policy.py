@@ -72,6 +72,18 @@ def test_cost_model_sends_dense_where_sparsifying_does_not_pay():
     assert fast_link.sparse_pays(10**6, 4, 0.01) is False and slow_link.sparse_pays(10**6, 4, 0.01)
 
 
+def test_a_key_of_its_own_is_charged_to_tensors_a_bucket_would_carry_dense():
+    from adtopk_ps.compression import CostModel
+    # 657 MB/s through the servers, 1.3 ns an element (an e2e run at 10 Gbit/s); a key 0.5 ms
+    link = dict(bytes_per_s=657e6, compress_s_per_element=1.3e-9, workers=2)
+    free, keyed = CostModel(**link), CostModel(**link, key_s=5e-4, fusion_bytes=4 << 20)
+    conv = 64 * 64 * 3 * 3  # 147 KB: dense 0.45 ms, sparse 0.06 ms before its key
+    assert free.sparse_pays(conv, 4, 0.01) and not keyed.sparse_pays(conv, 4, 0.01)
+    assert keyed.sparse_pays(4 * conv, 4, 0.01)  # 590 KB: dense 1.8 ms, sparse 0.7 with its key
+    # too big for a bucket, it is a key of its own either way: no charge
+    assert CostModel(**link, key_s=1.0, fusion_bytes=4 << 20).sparse_pays(2 << 20, 4, 0.01)
+
+
 def test_compression_speed_is_measured():
     from adtopk_ps.compression import compression_speed, create
     speed = compression_speed(create("adtopk", ratio=0.01), elements=1 << 16)

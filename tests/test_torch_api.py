@@ -102,15 +102,34 @@ def test_wrapped_optimizer_keeps_its_class_and_checkpoints_residuals(session):
 
 
 def test_measured_costs_decide_routes(session):
+    from adtopk_ps.torch.fusion import fusion_bytes
     model = torch.nn.Sequential(torch.nn.Linear(40, 500), torch.nn.ReLU(), torch.nn.Linear(500, 3))
     compression = bps.GradientCompression("adtopk", measure_costs=True)
     bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
                              compression)
     cost = compression.policy.cost_model
     assert cost is not None and cost.bytes_per_s > 1e6 and cost.compress_s_per_element > 0
+    assert 0 < cost.key_s < 1 and cost.fusion_bytes == fusion_bytes()
     weight = model[0].weight
     expected_dense = not cost.sparse_pays(weight.numel(), 4, compression.compressor.ratio)
     assert compression.routes["0.weight"].dense == expected_dense
+
+
+def test_every_worker_routes_by_the_same_measured_costs():
+    """Each worker times the link and the compressor itself; routes that differed between
+    workers would leave each waiting for keys the others never push."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from procs import bpslaunch
+    program = Path(__file__).resolve().parent / "programs" / "cost_check.py"
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
+                       sys.executable, str(program), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    decided = dict(re.findall(r"worker (\d): figures (.*)", result.stdout))
+    assert set(decided) == {"0", "1"} and decided["0"] == decided["1"], result.stdout[-3000:]
+    assert "worker 0: trained" in result.stdout and "worker 1: trained" in result.stdout
 
 
 @pytest.mark.parametrize("capacity, buckets", [(4 << 20, "1 bucket(s) holding 26"),

@@ -2,8 +2,11 @@
 
 Sending a tensor dense costs its bytes twice (push, then the dense answer).
 Sparsifying costs the compression, the sparse push, and an answer that can
-be as large as W workers' selections together. Where the link is fast and
-the tensor small, dense wins, and the policy should send it dense.
+be as large as W workers' selections together. A sparse tensor is also a
+key of its own, where a small dense one rides in a fusion bucket: the fixed
+cost of one more key (encoding, a server's decode and aggregation, the
+answer; a tiny key's round trip) is charged to it. Where the link is fast
+and the tensor small, dense wins, and the policy should send it dense.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ class CostModel:
     bytes_per_s: float  # dense push + pull throughput through the servers
     compress_s_per_element: float
     workers: int
+    key_s: float = 0.0  # what one more key costs: a tiny push_pull's round trip
+    fusion_bytes: int = 0  # dense tensors up to this size ride in a fusion bucket
 
     def sparse_pays(self, numel: int, itemsize: int, ratio: float) -> bool:
         dense_bytes = numel * itemsize
@@ -30,6 +35,8 @@ class CostModel:
         answer = min(self.workers * sparse_bytes, dense_bytes)
         dense = 2 * dense_bytes / self.bytes_per_s
         sparse = self.compress_s_per_element * numel + (sparse_bytes + answer) / self.bytes_per_s
+        if dense_bytes < self.fusion_bytes:  # dense, it would add no key
+            sparse += self.key_s
         return sparse < dense
 
 

@@ -277,15 +277,17 @@ def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor
 
 _REQUIRED = {"codec": str, "shape": list, "dtype": str, "vdtype": str, "count": int}
 _OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int}
+_FIELDS = {**_REQUIRED, **_OPTIONAL}
+_NEEDS = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
 
 
 def _check_meta(meta: object, max_numel: int) -> dict:
     if not isinstance(meta, dict):
         raise PayloadError(f"metadata must be a map, got {type(meta).__name__}")
-    unknown = set(meta) - set(_REQUIRED) - set(_OPTIONAL)
+    unknown = meta.keys() - _FIELDS.keys()
     if unknown:
         raise PayloadError(f"unknown metadata field(s) {sorted(map(str, unknown))}")
-    for key, typ in {**_REQUIRED, **_OPTIONAL}.items():
+    for key, typ in _FIELDS.items():
         if key not in meta:
             if key in _REQUIRED:
                 raise PayloadError(f"metadata lacks field {key!r}")
@@ -308,8 +310,7 @@ def _check_meta(meta: object, max_numel: int) -> dict:
     count = spec["count"]
     if count < 0 or count > numel:
         raise PayloadError(f"count {count} outside [0, {numel}]")
-    needs = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
-    for key in needs[codec]:
+    for key in _NEEDS[codec]:
         if key not in spec:
             raise PayloadError(f"codec {codec!r} needs metadata field {key!r}")
     if codec == "dense" and count != numel:

@@ -11,6 +11,8 @@ import subprocess
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
+from ..deathsig import guarded
+
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
@@ -80,7 +82,9 @@ def shape(ns: str, dev: str, rate: str, delay: str) -> None:
 
 
 def run_in(ns: str, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
-    return subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **popen)
+    """``argv`` on host ``ns``; it ends with this process (a harness killed by a timeout
+    leaves no role processes behind)."""
+    return subprocess.Popen(guarded(["ip", "netns", "exec", ns, *argv]), env=env, **popen)
 
 
 def loss_unavailable() -> str | None:

@@ -23,6 +23,18 @@ from .overlap import OverlapTrial
 from .runtime import client
 
 
+def _round_trip(probe: torch.Tensor, name: str, repeats: int) -> float:
+    """The fastest of ``repeats`` push_pulls of ``probe``, after one untimed."""
+    c = client()
+    c.push_pull(probe, name, average=False).wait()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        c.push_pull(probe, name, average=False).wait()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 class GradientCompression:
     """One compressor plus the policy that says which tensors it gets, and at what density."""
 
@@ -41,17 +53,18 @@ class GradientCompression:
         self.measure_costs = measure_costs and self.compressor is not None
         self.routes: dict[str, Route] = {}
 
-    def calibrate(self, probe_bytes: int = 8 << 20) -> CostModel:
-        """Measure dense push/pull throughput and compression speed; every worker must call it."""
-        c = client()
-        probe = torch.zeros(probe_bytes // 4)
-        best = float("inf")
-        for _ in range(3):
-            started = time.perf_counter()
-            c.push_pull(probe, "cost-model.link", average=False).wait()
-            best = min(best, time.perf_counter() - started)
+    def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0) -> CostModel:
+        """Measure dense push/pull throughput, a tiny key's round trip and compression speed;
+        every worker must call it. ``fusion``: the optimizer's bucket capacity in bytes."""
+        link = _round_trip(torch.zeros(probe_bytes // 4), "cost-model.link", 3)
+        key = _round_trip(torch.zeros(1), "cost-model.key", 5)
         inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
-        model = CostModel(2 * probe.numel() * 4 / best, compression_speed(inner), c.size)
+        mine = torch.tensor([link, compression_speed(inner), key], dtype=torch.float64)
+        # every worker must route every tensor alike, or each waits for keys the others never
+        # push: all decide from the same figures, the mean of every worker's own
+        link, speed, key = client().push_pull(mine, "cost-model.figures").wait().tolist()
+        model = CostModel(2 * probe_bytes // 4 * 4 / link, speed, client().size,
+                          key_s=key, fusion_bytes=fusion)
         self.policy.cost_model = model
         return model
 
@@ -93,14 +106,15 @@ class _Distributed:
         self._named = [(n, p) for n, p in named if p.requires_grad]
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
+        capacity = fusion_bytes() if fusion is None else fusion
         if self._compression.measure_costs:
-            self._compression.calibrate()
+            self._compression.calibrate(fusion=capacity)
         self._compression.plan(self._named)
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}
         self._handles: dict[int, Handle] = {}
         dense = {name for name, _ in self._named if self._compression.routes[name].dense}
-        self._buckets = plan_buckets(self._named, dense, fusion_bytes() if fusion is None else fusion)
+        self._buckets = plan_buckets(self._named, dense, capacity)
         self._bucket_of: dict[int, Bucket] = {id(p): b for b in self._buckets for p, _ in b.members}
         self._bucket_handles: dict[str, Handle] = {}
         self._synchronized = False
