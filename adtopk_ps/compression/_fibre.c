@@ -310,7 +310,7 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
                          Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes, int32_t *at,
                          int64_t *out)
 {
-    Py_ssize_t w = rest >= 4 ? rest : 4;
+    Py_ssize_t w = rest >= 4 ? rest : rest > 1 ? 4 : 1;  /* lanes a position list spans */
     if (lanes != NULL)
         memset(lanes, 0, sizeof(float) * (size_t)(n * 4));
     for (Py_ssize_t a = 0; a < lead; a++) {
@@ -329,7 +329,6 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
             stream(lanes, n, 4, 4, k, at);
         } else {
             select_row(slab, n, k, at);
-            w = 1;
         }
         for (Py_ssize_t j = 0; j < rest; j++) {
             for (Py_ssize_t t = 0; t < k; t++) {
