@@ -60,7 +60,7 @@ def test_nan_is_kept_like_torch():
 @pytest.mark.parametrize("shape,k", [((19, 100), 1), ((19, 256), 2), ((64, 64, 3, 3), 1),
                                      ((5, 200, 7), 2)])
 def test_streamed_fibres_keep_the_largest_and_break_ties_by_position(shape, k):
-    # k <= 2 streams fibres side by side, 8 rows or a slab's fibres at a time
+    # k <= 2 streams fibres side by side: a slab's fibres, or a row as its 4 residue classes
     x = torch.randn(shape)
     got = select.fibre_topk(x, k)
     assert torch.equal(magnitudes(x, got), magnitudes(x, torch_positions(x, k)))

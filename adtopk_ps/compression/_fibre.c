@@ -302,6 +302,13 @@ static void select_row(const float *x, Py_ssize_t n, Py_ssize_t k, int32_t *at)
     }
 }
 
+/* How many lanes a slab's position list spans: its fibres, at least 4 of them (fewer are
+ * copied into 4 lanes), or 1 for a contiguous fibre. */
+static Py_ssize_t lane_span(Py_ssize_t rest)
+{
+    return rest >= 4 ? rest : rest > 1 ? 4 : 1;
+}
+
 /* select_all for k <= SMALL_K, a slab at a time (error feedback's x += grad first): its
  * `rest` fibres lie side by side, and are streamed in place from 4 of them up (fewer are
  * copied into 4 lanes, the padding streamed and ignored). Positions go to out and, with
@@ -310,7 +317,7 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
                          Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes, int32_t *at,
                          int64_t *out)
 {
-    Py_ssize_t w = rest >= 4 ? rest : rest > 1 ? 4 : 1;  /* lanes a position list spans */
+    Py_ssize_t w = lane_span(rest);
     if (lanes != NULL)
         memset(lanes, 0, sizeof(float) * (size_t)(n * 4));
     for (Py_ssize_t a = 0; a < lead; a++) {
@@ -391,7 +398,7 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     if (k <= SMALL_K && n <= INT32_MAX) {
         int needs_lanes = rest > 1 && rest < 4;
         float *lanes = needs_lanes ? malloc(sizeof(float) * (size_t)(n * 4)) : NULL;
-        int32_t *at = malloc(sizeof(int32_t) * (size_t)(k * (rest >= 4 ? rest : 4)));
+        int32_t *at = malloc(sizeof(int32_t) * (size_t)(k * lane_span(rest)));
         PyObject *result = NULL;
         if (at == NULL || (needs_lanes && lanes == NULL)) {
             PyErr_NoMemory();

@@ -24,9 +24,9 @@ from .runtime import client
 
 
 def _round_trip(probe: torch.Tensor, name: str, repeats: int) -> float:
-    """The fastest of ``repeats`` push_pulls of ``probe``, after one untimed."""
+    """The fastest of ``repeats`` push_pulls of ``probe`` (the first, which declares the key,
+    is the slow one the minimum leaves out)."""
     c = client()
-    c.push_pull(probe, name, average=False).wait()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
@@ -56,14 +56,15 @@ class GradientCompression:
     def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0) -> CostModel:
         """Measure dense push/pull throughput, a tiny key's round trip and compression speed;
         every worker must call it. ``fusion``: the optimizer's bucket capacity in bytes."""
-        link = _round_trip(torch.zeros(probe_bytes // 4), "cost-model.link", 3)
-        key = _round_trip(torch.zeros(1), "cost-model.key", 5)
+        probe = torch.zeros(probe_bytes // 4)
+        link = _round_trip(probe, "cost-model.link", 3)
+        key = _round_trip(torch.zeros(1), "cost-model.key", 6)
         inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
         mine = torch.tensor([link, compression_speed(inner), key], dtype=torch.float64)
         # every worker must route every tensor alike, or each waits for keys the others never
         # push: all decide from the same figures, the mean of every worker's own
         link, speed, key = client().push_pull(mine, "cost-model.figures").wait().tolist()
-        model = CostModel(2 * probe_bytes // 4 * 4 / link, speed, client().size,
+        model = CostModel(2 * probe.numel() * probe.element_size() / link, speed, client().size,
                           key_s=key, fusion_bytes=fusion)
         self.policy.cost_model = model
         return model
