@@ -6,6 +6,8 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
     sudo python benchmarks/e2e.py                           # VGG-style, 1 and 10 Gbit/s
     sudo python benchmarks/e2e.py --models vgg resnet18 transformer --links 1gbit
     sudo python benchmarks/e2e.py --scaling --links 1gbit   # model size and W
+    sudo python benchmarks/e2e.py --paired --models resnet18 transformer --links 10gbit \
+        --systems ps-adtopk+cost ddp-dense                  # PS and DDP step for step
 
 Every PS system runs with the optimizer's default overlap="auto": its trial
 chooses in steps of their own before the timed rounds (timing
@@ -25,6 +27,12 @@ dense's trial of the same pass. Reported per step: the whole step, the CPU
 time of worker 0's process (all its threads: where our PS and DDP differ in
 overhead), compute, compression (PS), the wait for answers after backward
 (PS), and what is left (communication not hidden by the backward pass).
+
+Where the margin between two systems is smaller than this machine's drift
+between runs (on a fast link, with small models), --paired gives each PS
+worker a second copy of the model under DDP dense on gloo: every round then
+times a PS step and a DDP step back to back in the same processes on the
+same links, and the report adds their ratio round by round.
 "hidden" is the share of ADTopk's compression and communication that
 overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
 """
@@ -35,6 +43,7 @@ import copy
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -86,15 +95,16 @@ def worker(args: argparse.Namespace) -> None:
         out = net(x)
         return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
 
-    def interleaved(kinds: dict, rounds: int) -> dict[str, tuple[float, float]]:
-        """Wall and CPU seconds (every thread of this worker) per step of each kind, the kinds
-        taking turns, so that this machine's drift slows them alike; the order rotates every
-        round, so that each kind follows each other kind as often (in a fixed order the
-        system's step always came right after the twin's forward + backward and the step the
-        other way right after it, and whatever the one before leaves behind, caches or
-        allocator state, fell on one kind). ``kinds``: name -> (prepare, step); prepare is
-        not timed."""
-        wall, cpu = dict.fromkeys(kinds, 0.0), dict.fromkeys(kinds, 0.0)
+    def interleaved(kinds: dict, rounds: int) -> dict[str, tuple[float, float, list[float]]]:
+        """Wall and CPU seconds (every thread of this worker) per step of each kind, and each
+        round's wall seconds, the kinds taking turns, so that this machine's drift slows them
+        alike; the order rotates every round, so that each kind follows each other kind as
+        often (in a fixed order the system's step always came right after the twin's forward
+        + backward and the step the other way right after it, and whatever the one before
+        leaves behind, caches or allocator state, fell on one kind). ``kinds``: name ->
+        (prepare, step); prepare is not timed."""
+        wall = {name: [] for name in kinds}
+        cpu = dict.fromkeys(kinds, 0.0)
         names = list(kinds)
         for turn in range(rounds):
             for name in names[turn % len(names):] + names[:turn % len(names)]:
@@ -102,9 +112,9 @@ def worker(args: argparse.Namespace) -> None:
                 prepare()
                 started, cpu_started = time.perf_counter(), time.process_time()
                 fn()
-                wall[name] += time.perf_counter() - started
+                wall[name].append(time.perf_counter() - started)
                 cpu[name] += time.process_time() - cpu_started
-        return {name: (wall[name] / rounds, cpu[name] / rounds) for name in kinds}
+        return {name: (sum(wall[name]) / rounds, cpu[name] / rounds, wall[name]) for name in kinds}
 
     def local_step():
         twin.zero_grad()
@@ -113,15 +123,43 @@ def worker(args: argparse.Namespace) -> None:
     def nothing():
         pass
 
+    paired = args.paired and system["kind"] == "ps"
+    if paired:  # DDP's copy of the model starts from the same weights
+        ddp_model = copy.deepcopy(model)
     if system["kind"] == "ps":
         import adtopk_ps.torch as bps
         bps.init()
-    else:
+    if system["kind"] == "ddp" or paired:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500",
                                 rank=int(os.environ["DMLC_WORKER_ID"]), world_size=args.workers)
     result = {"params": sum(p.numel() for p in model.parameters())}
     ratio = args.ratio
+
+    def ddp_step(net, hook: str):
+        """One training step of ``net`` under torch DDP on gloo, with ``hook`` on its buckets."""
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        import adtopk_ps.torch as bps
+        # PowerSGD issues its later collectives from future callbacks; with two buckets in
+        # flight gloo can see them in different orders on different ranks ("collective
+        # mismatch"), so it gets one bucket
+        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024 if hook == "powersgd" else 25)
+        if hook == "powersgd":
+            ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                          start_powerSGD_iter=2),
+                                   powersgd.powerSGD_hook)
+        elif hook == "adtopk":
+            ddp.register_comm_hook(bps.ADTopkHookState(net, {"compressor": "adtopk", "k": ratio,
+                                                             "ef": "vanilla"}), bps.adtopk_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+        def step():
+            opt.zero_grad()
+            loss_of(ddp).backward()
+            opt.step()
+        return step
+
     if system["kind"] == "ps":
         from adtopk_ps.compression import SparsificationPolicy
         name = system["compressor"]
@@ -151,10 +189,17 @@ def worker(args: argparse.Namespace) -> None:
         if system.get("measure_overlap"):  # the same steps the other way, to measure what overlap hides
             kinds["step"] = (lambda: opt.set_overlap(chose), lambda: step("step"))
             kinds["other"] = (lambda: opt.set_overlap(not chose), lambda: step("other"))
+        if paired:
+            kinds["ddp"] = (nothing, ddp_step(ddp_model, "none"))
+            # every kind starts with the workers in step: the lead one worker gains in a kind
+            # that does not synchronise (compute alone) is otherwise waited out by whichever
+            # step comes next, and with three kinds in rotation that is not each step as often
+            kinds = {name: (lambda prepare=prepare: (dist.barrier(), prepare()), fn)
+                     for name, (prepare, fn) in kinds.items()}
         interleaved(kinds, args.warmup)
         c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
         times = interleaved(kinds, args.steps)
-        pushes = args.steps * (len(kinds) - 1)  # both kinds of step push the same
+        pushes = args.steps * len(set(kinds) - {"compute", "ddp"})  # both kinds of PS step push the same
 
         def summary(kind: str) -> dict:
             return {"compute_s": times["compute"][0], "step_s": times[kind][0], "cpu_s": times[kind][1],
@@ -163,6 +208,9 @@ def worker(args: argparse.Namespace) -> None:
                     "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
 
         result.update(summary("step"), overlap=chose)
+        if paired:
+            result["paired"] = {"ddp_step_s": times["ddp"][0], "ddp_cpu_s": times["ddp"][1],
+                                "rounds": list(zip(times["step"][2], times["ddp"][2]))}
         sizes = {name: p.numel() for name, p in model.named_parameters()}
         dense = [name for name, route in compression.routes.items() if route.dense]
         result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
@@ -175,33 +223,12 @@ def worker(args: argparse.Namespace) -> None:
         rank = bps.rank()
         bps.shutdown()
     else:
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-        import adtopk_ps.torch as bps
         rank = dist.get_rank()
-        # PowerSGD issues its later collectives from future callbacks; with two buckets in
-        # flight gloo can see them in different orders on different ranks ("collective
-        # mismatch"), so it gets one bucket
-        cap = 1024 if system["hook"] == "powersgd" else 25
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
-        if system["hook"] == "powersgd":
-            ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                          start_powerSGD_iter=2),
-                                   powersgd.powerSGD_hook)
-        elif system["hook"] == "adtopk":
-            ddp.register_comm_hook(bps.ADTopkHookState(model, {"compressor": "adtopk", "k": ratio,
-                                                               "ef": "vanilla"}), bps.adtopk_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-        def step():
-            opt.zero_grad()
-            loss_of(ddp).backward()
-            opt.step()
-
-        kinds = {"compute": (nothing, local_step), "step": (nothing, step)}
+        kinds = {"compute": (nothing, local_step), "step": (nothing, ddp_step(model, system["hook"]))}
         interleaved(kinds, args.warmup)
         times = interleaved(kinds, args.steps)
         result.update(compute_s=times["compute"][0], step_s=times["step"][0], cpu_s=times["step"][1])
+    if system["kind"] == "ddp" or paired:
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
@@ -224,7 +251,8 @@ def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> 
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1]]
+           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1]] + \
+        (["--paired"] if args.paired else [])
     procs = []
     try:
         for role in roles:
@@ -287,6 +315,32 @@ def trial_by_trial(by_system: dict) -> list[str]:
             "| faster (same compute) |", "|---|" + "---:|" * (n + 2), *out]
 
 
+def paired(by_system: dict) -> list[str]:
+    """--paired: each PS system against DDP dense timed in the same processes, round by round."""
+    out = []
+    for system, trials in by_system.items():
+        ran = [r["paired"] for r in trials if "paired" in r]
+        if not ran:
+            continue
+        pairs = [pair for r in ran for pair in r["rounds"]]
+        rounds = [ddp / ps for ps, ddp in pairs]
+        by_trial = ", ".join(f"{r['ddp_step_s'] / statistics.mean(ps for ps, _ in r['rounds']):.2f}x"
+                             for r in ran)
+        ms = [1000 * statistics.mean(v) for v in ((ps for ps, _ in pairs), (ddp for _, ddp in pairs),
+                                                  (r["cpu_s"] for r in trials if "paired" in r),
+                                                  (r["ddp_cpu_s"] for r in ran))]
+        out.append(f"| {system} | " + " | ".join(f"{v:.0f}" for v in ms) + f" | {by_trial} | "
+                   f"{statistics.median(rounds):.2f}x | {sum(v > 1 for v in rounds)} of {len(rounds)} |")
+    if not out:
+        return []
+    return ["", "Paired with DDP dense in the same processes: every round times a step of the PS system "
+            "and a step of DDP dense (gloo, on a copy of the model) back to back on the same links, so "
+            "the machine's drift cannot fall on one side; ratio = DDP step / PS step", "",
+            "| system | PS step ms | DDP dense step ms | PS worker CPU ms | DDP worker CPU ms | ratio of "
+            "means, by trial | median round ratio | rounds PS faster |", "|---|---:|---:|---:|---:|---|---:|---:|",
+            *out]
+
+
 def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
     """``trials``: every run of every system; ``results``: the fastest of each (best_of)."""
     out = []
@@ -333,6 +387,7 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
                        f"tensors dense ({share:.1%} of the parameters), where partial sparsification "
                        f"alone sends {n0} ({share0:.1%})")
         out += trial_by_trial(trials[(model, link, workers)])
+        out += paired(trials[(model, link, workers)])
         out.append("")
     if args.scaling:
         systems = list(next(iter(results.values())))
@@ -399,6 +454,8 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--scaling", action="store_true",
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")
+    ap.add_argument("--paired", action="store_true",
+                    help="PS workers also step a copy of the model under DDP dense, round by round")
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
@@ -436,6 +493,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "e2e-scaling" if args.scaling else "-".join(["e2e", *args.models]) if args.models != ["vgg"] else "e2e"
+    stem += "-paired" if args.paired else ""
     (out / f"{stem}.md").write_text(text + "\n")
     chart(best, out / f"{stem}.png")
     print(text)
