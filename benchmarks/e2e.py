@@ -315,6 +315,12 @@ def trial_by_trial(by_system: dict) -> list[str]:
             "| faster (same compute) |", "|---|" + "---:|" * (n + 2), *out]
 
 
+def paired_speed(trials: list[dict]) -> float | None:
+    """--paired: DDP dense's mean step over the PS system's, every trial's rounds pooled."""
+    pairs = [pair for r in trials if "paired" in r for pair in r["paired"]["rounds"]]
+    return statistics.mean(d for _, d in pairs) / statistics.mean(p for p, _ in pairs) if pairs else None
+
+
 def paired(by_system: dict) -> list[str]:
     """--paired: each PS system against DDP dense timed in the same processes, round by round."""
     out = []
@@ -326,6 +332,7 @@ def paired(by_system: dict) -> list[str]:
         rounds = [ddp / ps for ps, ddp in pairs]
         by_trial = ", ".join(f"{r['ddp_step_s'] / statistics.mean(ps for ps, _ in r['rounds']):.2f}x"
                              for r in ran)
+        by_trial = f"{paired_speed(trials):.2f}x ({by_trial})"
         ms = [1000 * statistics.mean(v) for v in ((ps for ps, _ in pairs), (ddp for _, ddp in pairs),
                                                   (r["cpu_s"] for r in trials if "paired" in r),
                                                   (r["ddp_cpu_s"] for r in ran))]
@@ -337,7 +344,7 @@ def paired(by_system: dict) -> list[str]:
             "and a step of DDP dense (gloo, on a copy of the model) back to back on the same links, so "
             "the machine's drift cannot fall on one side; ratio = DDP step / PS step", "",
             "| system | PS step ms | DDP dense step ms | PS worker CPU ms | DDP worker CPU ms | ratio of "
-            "means, by trial | median round ratio | rounds PS faster |", "|---|---:|---:|---:|---:|---|---:|---:|",
+            "means: all rounds (by trial) | median round ratio | rounds PS faster |", "|---|---:|---:|---:|---:|---|---:|---:|",
             *out]
 
 
@@ -407,20 +414,27 @@ def mode(overlap: bool) -> str:
     return "overlap" if overlap else "no overlap"
 
 
-def chart(results: dict, path: Path) -> None:
+def chart(results: dict, trials: dict, path: Path) -> None:
+    """Bars of step speed against DDP dense: --paired's ratio where a system has one, else
+    against DDP dense's own run."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    groups = [g for g in results if "ddp-dense" in results[g] and "step_s" in results[g]["ddp-dense"]]
-    if not groups:  # the chart's bars are speeds against DDP dense
+    speeds = {}
+    for group, by_system in results.items():
+        ddp = by_system.get("ddp-dense", {}).get("step_s")
+        speeds[group] = {system: paired_speed(trials[group][system])
+                         or (ddp / r["step_s"] if ddp and "step_s" in r else 0.0)
+                         for system, r in by_system.items()}
+    groups = [g for g in speeds if any(speeds[g].values())]
+    if not groups:
         return
     systems = list(results[groups[0]])
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(groups)), 4.5))
     width = 0.8 / len(systems)
     for i, system in enumerate(systems):
-        speed = [results[g]["ddp-dense"]["step_s"] / results[g][system]["step_s"]
-                 if "step_s" in results[g][system] else 0.0 for g in groups]
-        ax.bar([j + i * width for j in range(len(groups))], speed, width, label=system)
+        ax.bar([j + i * width for j in range(len(groups))], [speeds[g].get(system, 0.0) for g in groups],
+               width, label=system)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))],
                   [f"{m}\n{link}, W={w}" for m, link, w in groups])
     ax.axhline(1.0, color="k", lw=0.8)
@@ -495,7 +509,7 @@ def main() -> None:
     stem = "e2e-scaling" if args.scaling else "-".join(["e2e", *args.models]) if args.models != ["vgg"] else "e2e"
     stem += "-paired" if args.paired else ""
     (out / f"{stem}.md").write_text(text + "\n")
-    chart(best, out / f"{stem}.png")
+    chart(best, results, out / f"{stem}.png")
     print(text)
 
 

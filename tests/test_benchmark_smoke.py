@@ -36,11 +36,11 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
          "--systems", "ps-adtopk", "ps-adtopk+cost", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
-         "--out", str(tmp_path)],
+         "--paired", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PS_OVERLAP_TRIAL_STEPS": "1"})  # the shortest overlap trial
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    report = (tmp_path / "e2e-vgg-1024.md").read_text()
+    report = (tmp_path / "e2e-vgg-1024-paired.md").read_text()
     rows = {m.group(1): m for m in re.finditer(
         r"^\| ([\w+-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
@@ -63,4 +63,11 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert int(cost.group(6)) <= int(cost.group(4)) <= int(cost.group(5))
     # the trial-by-trial table: the step ratio and the same-compute ratio of the one trial
     assert re.search(r"^\| ps-adtopk \| [\d.]+x \([\d.]+x\) \| [\d.]+x \| [01] of 1 \|$", report, re.M), report
-    assert (tmp_path / "e2e-vgg-1024.png").stat().st_size > 0
+    # --paired: both PS systems also timed DDP dense in their own rounds, round by round
+    for system in ("ps-adtopk", "ps-adtopk+cost"):
+        row = re.search(rf"^\| {re.escape(system)} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)x "
+                        rf"\(([\d.]+)x\) \| ([\d.]+)x \| ([012]) of 2 \|$", report, re.M)
+        assert row and all(int(v) > 0 for v in row.groups()[:4]), report
+        ratio = int(row.group(2)) / int(row.group(1))  # DDP step over PS step, as the report rounds them
+        assert abs(float(row.group(5)) - ratio) < 0.02 and row.group(5) == row.group(6), report  # one trial
+    assert (tmp_path / "e2e-vgg-1024-paired.png").stat().st_size > 0
