@@ -42,6 +42,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -318,7 +319,19 @@ def trial_by_trial(by_system: dict) -> list[str]:
 def paired_speed(trials: list[dict]) -> float | None:
     """--paired: DDP dense's mean step over the PS system's, every trial's rounds pooled."""
     pairs = [pair for r in trials if "paired" in r for pair in r["paired"]["rounds"]]
-    return statistics.mean(d for _, d in pairs) / statistics.mean(p for p, _ in pairs) if pairs else None
+    return speed_of(pairs) if pairs else None
+
+
+def speed_of(pairs: list) -> float:
+    return statistics.mean(d for _, d in pairs) / statistics.mean(p for p, _ in pairs)
+
+
+def interval(pairs: list, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of ``speed_of`` over rounds resampled with replacement:
+    how far the pooled ratio could move with other rounds of the same noise."""
+    rng = random.Random(seed)
+    speeds = sorted(speed_of(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+    return speeds[draws // 20], speeds[draws - 1 - draws // 20]
 
 
 def paired(by_system: dict) -> list[str]:
@@ -332,7 +345,8 @@ def paired(by_system: dict) -> list[str]:
         rounds = [ddp / ps for ps, ddp in pairs]
         by_trial = ", ".join(f"{r['ddp_step_s'] / statistics.mean(ps for ps, _ in r['rounds']):.2f}x"
                              for r in ran)
-        by_trial = f"{paired_speed(trials):.2f}x ({by_trial})"
+        low, high = interval(pairs)
+        by_trial = f"{paired_speed(trials):.2f}x [{low:.2f}, {high:.2f}] ({by_trial})"
         ms = [1000 * statistics.mean(v) for v in ((ps for ps, _ in pairs), (ddp for _, ddp in pairs),
                                                   (r["cpu_s"] for r in trials if "paired" in r),
                                                   (r["ddp_cpu_s"] for r in ran))]
@@ -344,7 +358,7 @@ def paired(by_system: dict) -> list[str]:
             "and a step of DDP dense (gloo, on a copy of the model) back to back on the same links, so "
             "the machine's drift cannot fall on one side; ratio = DDP step / PS step", "",
             "| system | PS step ms | DDP dense step ms | PS worker CPU ms | DDP worker CPU ms | ratio of "
-            "means: all rounds (by trial) | median round ratio | rounds PS faster |", "|---|---:|---:|---:|---:|---|---:|---:|",
+            "means: all rounds [90% bootstrap interval] (by trial) | median round ratio | rounds PS faster |", "|---|---:|---:|---:|---:|---|---:|---:|",
             *out]
 
 

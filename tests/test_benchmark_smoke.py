@@ -66,8 +66,25 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     # --paired: both PS systems also timed DDP dense in their own rounds, round by round
     for system in ("ps-adtopk", "ps-adtopk+cost"):
         row = re.search(rf"^\| {re.escape(system)} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)x "
-                        rf"\(([\d.]+)x\) \| ([\d.]+)x \| ([012]) of 2 \|$", report, re.M)
+                        rf"\[([\d.]+), ([\d.]+)\] \(([\d.]+)x\) \| ([\d.]+)x \| ([012]) of 2 \|$", report, re.M)
         assert row and all(int(v) > 0 for v in row.groups()[:4]), report
         ratio = int(row.group(2)) / int(row.group(1))  # DDP step over PS step, as the report rounds them
-        assert abs(float(row.group(5)) - ratio) < 0.02 and row.group(5) == row.group(6), report  # one trial
+        assert abs(float(row.group(5)) - ratio) < 0.02 and row.group(5) == row.group(8), report  # one trial
+        assert float(row.group(6)) <= float(row.group(5)) <= float(row.group(7)), report
     assert (tmp_path / "e2e-vgg-1024-paired.png").stat().st_size > 0
+
+
+def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import e2e
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    steady = [(0.5, 0.6)] * 30  # (PS step, DDP step): DDP always 1.2x slower
+    assert e2e.interval(steady) == pytest.approx((1.2, 1.2))
+    noisy = [(0.5 + 0.2 * (i % 3), 0.6 + 0.15 * (i % 5)) for i in range(30)]
+    low, high = e2e.interval(noisy)
+    assert low < e2e.speed_of(noisy) < high
+    assert e2e.interval(noisy) == (low, high)  # seeded: the report does not move between renders
+    fewer_low, fewer_high = e2e.interval(noisy[:10])
+    assert fewer_high - fewer_low > high - low  # fewer rounds, less certainty
