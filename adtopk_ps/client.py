@@ -318,6 +318,7 @@ class PSClient:
                 else:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
+            self._launch(servers)  # before any finish or barrier: pushes queued earlier go first
             with self._lock:
                 commands, self._commands = self._commands, []
             for op, event in commands:
@@ -333,7 +334,6 @@ class PSClient:
                 event.set()
             if finishing and link.shutdown:
                 return
-            self._launch(servers)
             link.tick()
 
     def _launch(self, servers: list[zmq.Socket]) -> None:

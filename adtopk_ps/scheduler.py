@@ -174,12 +174,16 @@ class Scheduler:
         node.finished = True
         self._reply(node.identity, "shutdown")
         log.info("%s finished", node.label)
+        servers = [n for n in self.nodes.values() if n.role == "server"]
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
-            for n in self.nodes.values():
-                if n.role == "server":
-                    self._reply(n.identity, "shutdown")
+            for n in servers:
+                self._reply(n.identity, "shutdown")
             log.info("all workers finished; shutting down")
             return True
+        # a round this worker has not pushed can never complete: the servers fail it at once,
+        # rather than let the workers that did push wait out their timeout
+        for n in servers:
+            self._reply(n.identity, "worker_finished", rank=node.rank)
         return False
 
     def _silent_node(self) -> Node | None:

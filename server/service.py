@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,8 @@ class Server:
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
         self.waiting: dict[int, list[bytes]] = {}
         self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
+        self.finishing: dict[int, float] = {}  # worker rank -> when the scheduler said it finished
+        self.finished: set[int] = set()  # workers whose pushes can no longer arrive
         self.rejected = 0
 
     def run(self) -> int:
@@ -82,6 +85,7 @@ class Server:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
+                self.settle_finished()
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
         except ClusterError as exc:
@@ -111,10 +115,41 @@ class Server:
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
+            self.fail_if_stranded(msg.key)
             return
         frames_out = wire.encode("result", key=msg.key, round=msg.round, payload=answer)
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
+
+    def settle_finished(self) -> None:
+        """A worker's last pushes travel straight here, the notice that it finished by way of
+        the scheduler: a heartbeat interval after the notice, nothing more can come from it."""
+        now = time.monotonic()
+        for rank in self.link.finished_workers - self.finished - self.finishing.keys():
+            self.finishing[rank] = now
+        settled = [r for r, heard in self.finishing.items() if now - heard >= self.config.heartbeat_interval]
+        if not settled:
+            return
+        for rank in settled:
+            del self.finishing[rank]
+        self.finished.update(settled)
+        for key in list(self.waiting):
+            self.fail_if_stranded(key)
+
+    def fail_if_stranded(self, key: int) -> None:
+        """A round that a finished worker has not pushed can never complete: every worker
+        waiting on it gets an error now, naming the worker, instead of a timeout."""
+        state = self.aggregator.keys.get(key)
+        if state is None or not state.pushed:
+            return
+        missing = sorted(self.finished - state.pushed)
+        if not missing:
+            return
+        reason = (f"worker(s) {missing} finished without pushing round {state.round} of key {key}; "
+                  f"the round cannot complete")
+        log.error("%s", reason)
+        for peer in self.waiting.pop(key, []):
+            send(self.data, wire.encode("error", key=key, round=state.round, message=reason), peer)
 
 
 def main() -> int:

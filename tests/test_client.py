@@ -127,3 +127,29 @@ def test_the_gil_switch_interval_is_shortened_unless_turned_off():
             shorten_gil_switch({"PS_GIL_SWITCH_US": "soon"})
     finally:
         sys.setswitchinterval(before)
+
+
+def test_a_round_that_a_finished_worker_never_pushed_fails_within_seconds():
+    # worker 1 finishes without pushing "only-mine": worker 0 must hear so from the server,
+    # not wait out the push_pull timeout; a round worker 1 did push still completes
+    import time
+    with roles(2, 1) as (config, _):
+        w0, w1 = start_clients(config, 2)
+        for c in (w0, w1):  # keys are numbered in declaration order, which must agree
+            for name in ("shared", "only-mine", "last", "later"):
+                c.declare(name, torch.ones(4))
+        shared = [c.push_pull(torch.full((4,), float(c.rank + 1)), "shared", average=False) for c in (w0, w1)]
+        assert [h.wait(30).tolist() for h in shared] == [[3.0] * 4] * 2
+        stranded = w0.push_pull(torch.ones(4), "only-mine")
+        w1.push_pull(torch.full((4,), 5.0), "last", average=False)  # in flight as it finishes
+        started = time.monotonic()
+        w1.shutdown()
+        with pytest.raises(PushPullError, match=r"worker\(s\) \[1\] finished without pushing round 0 of key"):
+            stranded.wait(30)
+        assert time.monotonic() - started < 10
+        # pushed before it finished: the round completes with worker 1's part in it
+        assert w0.push_pull(torch.ones(4), "last", average=False).wait(30).tolist() == [6.0] * 4
+        # a round it can never push fails as soon as it is pushed
+        with pytest.raises(PushPullError, match="finished without pushing"):
+            w0.push_pull(torch.ones(4), "later").wait(10)
+        w0.shutdown()
