@@ -33,6 +33,7 @@ from .transport import (ClusterError, SchedulerLink, drain, make_socket, registe
                         security, send)
 
 log = logging.getLogger("adtopk_ps.client")
+FLUSH_MS = 2000  # how long closing waits for queued messages after a clean finish
 
 
 def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
@@ -275,6 +276,7 @@ class PSClient:
     def _engine(self) -> None:
         link = SchedulerLink(self.ctx, self.config)
         servers: list[zmq.Socket] = []
+        linger = 0
         try:
             book = link.register()
             self.rank, self.servers = link.rank, list(book["servers"])
@@ -285,6 +287,7 @@ class PSClient:
                 servers.append(sock)
             self._ready.set()
             self._serve(link, servers)
+            linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
         except BaseException as exc:  # anything here ends the job for this worker
             if not isinstance(exc, ClusterError):
                 log.exception("worker engine failed")
@@ -293,7 +296,7 @@ class PSClient:
             self._fail_all(self._error)
         finally:
             for sock in servers:
-                sock.close(0)
+                sock.close(linger)
             link.close()
             self._wake_in.close(0)
 
@@ -318,15 +321,20 @@ class PSClient:
                 else:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
-            self._launch(servers)  # before any finish or barrier: pushes queued earlier go first
             with self._lock:
                 commands, self._commands = self._commands, []
+            # every push queued before a barrier or finish was queued goes out before it
+            self._launch(servers)
             for op, event in commands:
                 if op == "barrier":
                     barrier_seq += 1
                     link.barrier(barrier_seq)
                     barriers.append((barrier_seq, event))
                 elif not finishing:
+                    # behind this worker's last push on each connection: a server fails at once
+                    # any round this worker left unpushed, rather than let the others wait
+                    for sock in servers:
+                        send(sock, wire.encode("finish", sender=self.rank))
                     link.finish()
                     finishing = True
             for seq, event in [b for b in barriers if b[0] <= link.barrier_done]:

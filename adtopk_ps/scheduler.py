@@ -162,28 +162,30 @@ class Scheduler:
 
     def _barrier(self, node: Node) -> bool:
         self.barrier_waiting.add(node.identity)
+        self._release_barrier()
+        return False
+
+    def _release_barrier(self) -> None:
+        """A barrier holds the workers that have not finished; when the last one missing
+        finishes instead, the ones waiting go on."""
         live = [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
-        if all(n.identity in self.barrier_waiting for n in live):
+        if self.barrier_waiting and all(n.identity in self.barrier_waiting for n in live):
             self.barrier_seq += 1
             for identity in self.barrier_waiting:
                 self._reply(identity, "barrier_done", round=self.barrier_seq)
             self.barrier_waiting.clear()
-        return False
 
     def _finish(self, node: Node) -> bool:
         node.finished = True
         self._reply(node.identity, "shutdown")
         log.info("%s finished", node.label)
-        servers = [n for n in self.nodes.values() if n.role == "server"]
+        self._release_barrier()
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
-            for n in servers:
-                self._reply(n.identity, "shutdown")
+            for n in self.nodes.values():
+                if n.role == "server":
+                    self._reply(n.identity, "shutdown")
             log.info("all workers finished; shutting down")
             return True
-        # a round this worker has not pushed can never complete: the servers fail it at once,
-        # rather than let the workers that did push wait out their timeout
-        for n in servers:
-            self._reply(n.identity, "worker_finished", rank=node.rank)
         return False
 
     def _silent_node(self) -> Node | None:

@@ -78,7 +78,6 @@ class SchedulerLink:
         self.book: dict = {}
         self.shutdown = False
         self.barrier_done = 0
-        self.finished_workers: set[int] = set()  # ranks the scheduler said have finished
         self._last_heard = self._last_sent = time.monotonic()
 
     def register(self, data_port: int = 0) -> dict:
@@ -118,11 +117,6 @@ class SchedulerLink:
             self.shutdown = True
         elif msg.op == "barrier_done":
             self.barrier_done = msg.round
-        elif msg.op == "worker_finished":
-            rank = msg.extra.get("rank")
-            if type(rank) is not int:
-                raise ClusterError(f"the scheduler sent worker_finished without a rank: {rank!r:.40}")
-            self.finished_workers.add(rank)
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:

@@ -23,7 +23,7 @@ PROTOCOL = 1
 TENSOR_OPS = frozenset({"push", "result"})
 CONTROL_OPS = frozenset({
     "register", "addressbook", "barrier", "barrier_done", "heartbeat", "finish", "shutdown",
-    "node_lost", "error", "worker_finished",
+    "node_lost", "error",
 })
 OPS = TENSOR_OPS | CONTROL_OPS
 

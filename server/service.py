@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -65,8 +64,8 @@ class Server:
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
         self.waiting: dict[int, list[bytes]] = {}
         self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
-        self.finishing: dict[int, float] = {}  # worker rank -> when the scheduler said it finished
-        self.finished: set[int] = set()  # workers whose pushes can no longer arrive
+        self.finished: set[int] = set()  # workers that said no push of theirs is left to come
+        self.dead: dict[int, str] = {}  # key -> why its round can never complete
         self.rejected = 0
 
     def run(self) -> int:
@@ -85,7 +84,6 @@ class Server:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
-                self.settle_finished()
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
         except ClusterError as exc:
@@ -100,10 +98,14 @@ class Server:
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
             key, rnd = msg.key, msg.round
-            if msg.op != "push":
-                raise PushRejected(f"op {msg.op!r} is not served here; send push")
+            if msg.op not in ("push", "finish"):
+                raise PushRejected(f"op {msg.op!r} is not served here; send push or finish")
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
+            if msg.op == "finish":
+                return self.on_finish(msg.sender, identity)
+            if msg.key in self.dead:
+                raise PushRejected(self.dead[msg.key])
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True)
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
         except (wire.WireError, PushRejected) as exc:
@@ -121,32 +123,28 @@ class Server:
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
 
-    def settle_finished(self) -> None:
-        """A worker's last pushes travel straight here, the notice that it finished by way of
-        the scheduler: a heartbeat interval after the notice, nothing more can come from it."""
-        now = time.monotonic()
-        for rank in self.link.finished_workers - self.finished - self.finishing.keys():
-            self.finishing[rank] = now
-        settled = [r for r, heard in self.finishing.items() if now - heard >= self.config.heartbeat_interval]
-        if not settled:
-            return
-        for rank in settled:
-            del self.finishing[rank]
-        self.finished.update(settled)
+    def on_finish(self, rank: int, identity: bytes) -> None:
+        """A worker's finish comes behind its last push on the same connection: from here on,
+        a round it has not pushed can never complete."""
+        if not 0 <= rank < self.aggregator.num_workers:
+            raise PushRejected(f"sender {rank} is not a worker rank (0..{self.aggregator.num_workers - 1})")
+        self.senders[rank] = identity
+        self.finished.add(rank)
         for key in list(self.waiting):
             self.fail_if_stranded(key)
 
     def fail_if_stranded(self, key: int) -> None:
         """A round that a finished worker has not pushed can never complete: every worker
-        waiting on it gets an error now, naming the worker, instead of a timeout."""
+        waiting on it gets an error now, naming the worker, instead of a timeout; later
+        pushes of the key get the same error."""
         state = self.aggregator.keys.get(key)
         if state is None or not state.pushed:
             return
         missing = sorted(self.finished - state.pushed)
         if not missing:
             return
-        reason = (f"worker(s) {missing} finished without pushing round {state.round} of key {key}; "
-                  f"the round cannot complete")
+        reason = self.dead[key] = (f"worker(s) {missing} finished without pushing round {state.round} "
+                                   f"of key {key}; the round cannot complete")
         log.error("%s", reason)
         for peer in self.waiting.pop(key, []):
             send(self.data, wire.encode("error", key=key, round=state.round, message=reason), peer)

@@ -149,7 +149,31 @@ def test_a_round_that_a_finished_worker_never_pushed_fails_within_seconds():
         assert time.monotonic() - started < 10
         # pushed before it finished: the round completes with worker 1's part in it
         assert w0.push_pull(torch.ones(4), "last", average=False).wait(30).tolist() == [6.0] * 4
-        # a round it can never push fails as soon as it is pushed
-        with pytest.raises(PushPullError, match="finished without pushing"):
-            w0.push_pull(torch.ones(4), "later").wait(10)
+        # a round it can never push fails as soon as it is pushed, and so does every later one
+        for _ in range(2):
+            with pytest.raises(PushPullError, match=r"worker\(s\) \[1\] finished without pushing round 0"):
+                w0.push_pull(torch.ones(4), "later").wait(10)
+        w0.shutdown()
+
+
+def test_a_barrier_goes_on_when_the_worker_it_waits_for_finishes_instead():
+    import threading
+    import time
+    with roles(2, 1) as (config, _):
+        w0, w1 = start_clients(config, 2)
+        outcome = []
+
+        def wait_at_barrier():
+            started = time.monotonic()
+            try:
+                w0.barrier(timeout=30)
+                outcome.append(time.monotonic() - started)
+            except Exception as exc:  # the assertion below shows it
+                outcome.append(exc)
+        waiter = threading.Thread(target=wait_at_barrier)
+        waiter.start()
+        time.sleep(0.5)  # worker 0 is at the barrier before worker 1 finishes
+        w1.shutdown()
+        waiter.join(40)
+        assert len(outcome) == 1 and isinstance(outcome[0], float) and outcome[0] < 10, outcome
         w0.shutdown()

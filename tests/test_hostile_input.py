@@ -70,6 +70,9 @@ def _hostile_messages(honest_key):
         "op": ([wire.encode("heartbeat")[0]], "not served here"),
         "rank": (with_header(sender=7), "sender 7 is not a worker rank"),
         "impersonation": (with_header(key=honest_key, sender=0), "bound to another connection"),
+        # a finish fails every round its worker has not pushed: only that worker may send it
+        "finish rank": (wire.encode("finish", sender=7), "sender 7 is not a worker rank"),
+        "finish impersonation": (wire.encode("finish", sender=0), "bound to another connection"),
         "missing": (push[:2], "needs 2 buffer"),
     }
 
