@@ -333,8 +333,9 @@ class PSClient:
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
+                    marker = wire.encode("finish", sender=self.rank)
                     for sock in servers:
-                        send(sock, wire.encode("finish", sender=self.rank))
+                        send(sock, marker)
                     link.finish()
                     finishing = True
             for seq, event in [b for b in barriers if b[0] <= link.barrier_done]:

@@ -27,14 +27,14 @@ dense's trial of the same pass. Reported per step: the whole step, the CPU
 time of worker 0's process (all its threads: where our PS and DDP differ in
 overhead), compute, compression (PS), the wait for answers after backward
 (PS), and what is left (communication not hidden by the backward pass).
+"hidden" is the share of ADTopk's compression and communication that
+overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
 
 Where the margin between two systems is smaller than this machine's drift
 between runs (on a fast link, with small models), --paired gives each PS
 worker a second copy of the model under DDP dense on gloo: every round then
 times a PS step and a DDP step back to back in the same processes on the
 same links, and the report adds their ratio round by round.
-"hidden" is the share of ADTopk's compression and communication that
-overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
 """
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ def worker(args: argparse.Namespace) -> None:
 
         result.update(summary("step"), overlap=chose)
         if paired:
-            result["paired"] = {"ddp_step_s": times["ddp"][0], "ddp_cpu_s": times["ddp"][1],
+            result["paired"] = {"ddp_cpu_s": times["ddp"][1],
                                 "rounds": list(zip(times["step"][2], times["ddp"][2]))}
         sizes = {name: p.numel() for name, p in model.named_parameters()}
         dense = [name for name, route in compression.routes.items() if route.dense]
@@ -343,14 +343,13 @@ def paired(by_system: dict) -> list[str]:
             continue
         pairs = [pair for r in ran for pair in r["rounds"]]
         rounds = [ddp / ps for ps, ddp in pairs]
-        by_trial = ", ".join(f"{r['ddp_step_s'] / statistics.mean(ps for ps, _ in r['rounds']):.2f}x"
-                             for r in ran)
         low, high = interval(pairs)
-        by_trial = f"{paired_speed(trials):.2f}x [{low:.2f}, {high:.2f}] ({by_trial})"
+        by_trial = ", ".join(f"{speed_of(r['rounds']):.2f}x" for r in ran)
+        ratios = f"{speed_of(pairs):.2f}x [{low:.2f}, {high:.2f}] ({by_trial})"
         ms = [1000 * statistics.mean(v) for v in ((ps for ps, _ in pairs), (ddp for _, ddp in pairs),
                                                   (r["cpu_s"] for r in trials if "paired" in r),
                                                   (r["ddp_cpu_s"] for r in ran))]
-        out.append(f"| {system} | " + " | ".join(f"{v:.0f}" for v in ms) + f" | {by_trial} | "
+        out.append(f"| {system} | " + " | ".join(f"{v:.0f}" for v in ms) + f" | {ratios} | "
                    f"{statistics.median(rounds):.2f}x | {sum(v > 1 for v in rounds)} of {len(rounds)} |")
     if not out:
         return []

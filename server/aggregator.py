@@ -156,8 +156,7 @@ class Aggregator:
         ``owned``: the payload's memory belongs to the server (it was decoded
         from the wire), so a dense first push may become the round's sum.
         """
-        if not 0 <= sender < self.num_workers:
-            raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
+        self.check_sender(sender)
         state = self.keys.get(key)
         if state is None:
             state = self._declare(key, payload)
@@ -180,6 +179,10 @@ class Aggregator:
         state.pushed.clear()
         state.round += 1
         return self._answer(key, state, round)
+
+    def check_sender(self, sender: int) -> None:
+        if not 0 <= sender < self.num_workers:
+            raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
 
     def _declare(self, key: int, payload: Payload) -> KeyState:
         if len(self.keys) >= self.max_keys:

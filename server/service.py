@@ -126,8 +126,7 @@ class Server:
     def on_finish(self, rank: int, identity: bytes) -> None:
         """A worker's finish comes behind its last push on the same connection: from here on,
         a round it has not pushed can never complete."""
-        if not 0 <= rank < self.aggregator.num_workers:
-            raise PushRejected(f"sender {rank} is not a worker rank (0..{self.aggregator.num_workers - 1})")
+        self.aggregator.check_sender(rank)
         self.senders[rank] = identity
         self.finished.add(rank)
         for key in list(self.waiting):
