@@ -140,7 +140,8 @@ class PSClient:
         self.config = config or ClusterConfig.from_env(role="worker")
         self.timeout = float(env_int("PS_PUSH_PULL_TIMEOUT_S", 600, minimum=1))
         self.ctx = ctx or zmq.Context.instance()
-        security(self.ctx)  # a bad PS_CURVE_KEYS fails here, naming the variable
+        # a bad PS_CURVE_KEYS fails here, naming the variable
+        self.encrypted = security(self.ctx).keys is not None
         self.rank, self.size = -1, self.config.num_workers
         self.servers: list[str] = []
         self.bytes_pushed = self.bytes_pulled = 0

@@ -56,6 +56,8 @@ SYSTEMS = {
     "ps-topk": {"kind": "ps", "compressor": "topk"},
     "ps-adtopk": {"kind": "ps", "compressor": "adtopk", "measure_overlap": True},
     "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
+    # the cost model, and dense tensors all-reduced among the workers where that measures faster
+    "ps-adtopk+hybrid": {"kind": "ps", "compressor": "adtopk", "cost": True, "dense": "auto"},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
     "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
@@ -167,7 +169,7 @@ def worker(args: argparse.Namespace) -> None:
         compression = bps.GradientCompression(
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
             SparsificationPolicy(ratio if name != "none" else 1.0),
-            measure_costs=system.get("cost", False))
+            measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
         from adtopk_ps.torch.overlap import steps_to_choose
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        model.named_parameters(), compression)  # overlap="auto"
@@ -198,7 +200,8 @@ def worker(args: argparse.Namespace) -> None:
             kinds = {name: (lambda prepare=prepare: (dist.barrier(), prepare()), fn)
                      for name, (prepare, fn) in kinds.items()}
         interleaved(kinds, args.warmup)
-        c0, b0 = client.compress_seconds, client.bytes_pushed + client.bytes_pulled
+        moved = lambda: client.bytes_pushed + client.bytes_pulled + opt.allreduce_bytes  # noqa: E731
+        c0, b0 = client.compress_seconds, moved()
         times = interleaved(kinds, args.steps)
         pushes = args.steps * len(set(kinds) - {"compute", "ddp"})  # both kinds of PS step push the same
 
@@ -206,7 +209,7 @@ def worker(args: argparse.Namespace) -> None:
             return {"compute_s": times["compute"][0], "step_s": times[kind][0], "cpu_s": times[kind][1],
                     "wait_s": sum(waits[kind][-args.steps:]) / args.steps,
                     "compress_s": (client.compress_seconds - c0) / pushes,
-                    "bytes_per_step": (client.bytes_pushed + client.bytes_pulled - b0) / pushes}
+                    "bytes_per_step": (moved() - b0) / pushes}
 
         result.update(summary("step"), overlap=chose)
         if paired:
@@ -215,10 +218,11 @@ def worker(args: argparse.Namespace) -> None:
         sizes = {name: p.numel() for name, p in model.named_parameters()}
         dense = [name for name, route in compression.routes.items() if route.dense]
         result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
-        cost = compression.policy.cost_model
+        cost = compression.costs
         if cost is not None:
             result["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element,
-                              "key_s": cost.key_s}
+                              "key_s": cost.key_s, "allreduce_bytes_per_s": compression.allreduce_bytes_per_s,
+                              "allreduce": compression.allreduce}
         if "other" in times:
             result["other"] = summary("other")
         rank = bps.rank()
@@ -397,15 +401,21 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
                        f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
                        f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
                        f"taking turns in one run)")
-        cost = by_system.get("ps-adtopk+cost", {})
-        if "cost" in cost and "dense" in by_system.get("ps-adtopk", {}):
-            (n, total, share), (n0, _, share0) = cost["dense"], by_system["ps-adtopk"]["dense"]
-            out.append(f"\nCost model (ps-adtopk+cost): dense push + pull measured at "
-                       f"{cost['cost']['bytes_per_s'] / 1e6:.0f} MB/s through the servers, ADTopk at "
-                       f"{1e9 * cost['cost']['s_per_element']:.1f} ns per element, one more key at "
-                       f"{1000 * cost['cost']['key_s']:.2f} ms; it sent {n} of {total} "
-                       f"tensors dense ({share:.1%} of the parameters), where partial sparsification "
-                       f"alone sends {n0} ({share0:.1%})")
+        partial = by_system.get("ps-adtopk", {}).get("dense")
+        for system, r in by_system.items():
+            if "cost" not in r:
+                continue
+            (n, total, share), cost = r["dense"], r["cost"]
+            ring = f", all-reduced among the workers at {cost['allreduce_bytes_per_s'] / 1e6:.0f} MB/s" \
+                if cost["allreduce_bytes_per_s"] else ""
+            out.append(f"\nCost model ({system}): dense push + pull measured at "
+                       f"{cost['bytes_per_s'] / 1e6:.0f} MB/s through the servers{ring}, ADTopk at "
+                       f"{1e9 * cost['s_per_element']:.1f} ns per element, one more key at "
+                       f"{1000 * cost['key_s']:.2f} ms; dense tensors went "
+                       f"{'by all-reduce' if cost['allreduce'] else 'through the servers'}; it sent "
+                       f"{n} of {total} tensors dense ({share:.1%} of the parameters)" +
+                       (f", where partial sparsification alone sends {partial[0]} ({partial[2]:.1%})"
+                        if partial else ""))
         out += trial_by_trial(trials[(model, link, workers)])
         out += paired(trials[(model, link, workers)])
         out.append("")

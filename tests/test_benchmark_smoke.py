@@ -35,7 +35,8 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     # the smallest run that still crosses namespace hosts: PS systems and a DDP system
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
-         "--systems", "ps-adtopk", "ps-adtopk+cost", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
+         "--systems", "ps-adtopk", "ps-adtopk+cost", "ps-adtopk+hybrid", "ddp-dense", "--trials", "1",
+         "--steps", "2", "--warmup", "1",
          "--paired", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PS_OVERLAP_TRIAL_STEPS": "1"})  # the shortest overlap trial
@@ -44,7 +45,7 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     rows = {m.group(1): m for m in re.finditer(
         r"^\| ([\w+-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
-    assert set(rows) == {"ps-adtopk", "ps-adtopk+cost", "ddp-dense"}, report
+    assert set(rows) == {"ps-adtopk", "ps-adtopk+cost", "ps-adtopk+hybrid", "ddp-dense"}, report
     assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense
     assert rows["ddp-dense"].group(7) == "1.00"  # the ratio's own baseline
     assert all(int(r.group(4)) > 0 for r in rows.values())  # the worker's CPU per step
@@ -55,16 +56,26 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert re.search(rf"^\| ps-adtopk, {other} \| [\d.]+ \| \d+ \|", report, re.M), report
     assert re.search(r"hidden by the backward pass: (-?\d+%|-) \(step \d+ ms with overlap, \d+ ms without, "
                      r"forward \+ backward alone \d+ ms", report), report
-    # what the measured cost model decided, against partial sparsification alone
-    cost = re.search(r"dense push \+ pull measured at (\d+) MB/s through the servers, ADTopk at ([\d.]+) ns "
-                     r"per element, one more key at ([\d.]+) ms; it sent (\d+) of (\d+) tensors dense "
-                     r"\([\d.]+% of the parameters\), where partial sparsification alone sends (\d+)", report)
-    assert cost and int(cost.group(1)) > 0 and float(cost.group(2)) > 0 and float(cost.group(3)) > 0, report
-    assert int(cost.group(6)) <= int(cost.group(4)) <= int(cost.group(5))
+    # what the measured cost model decided, against partial sparsification alone; the hybrid
+    # also timed the all-reduce among the workers and says which route dense tensors took
+    for system, ring in (("ps-adtopk+cost", ""), ("ps-adtopk+hybrid", r", all-reduced among the workers at (\d+) MB/s")):
+        cost = re.search(rf"Cost model \({re.escape(system)}\): dense push \+ pull measured at (\d+) MB/s through "
+                         rf"the servers{ring}, ADTopk at ([\d.]+) ns per element, one more key at ([\d.]+) ms; "
+                         rf"dense tensors went (by all-reduce|through the servers); it sent (\d+) of (\d+) tensors "
+                         rf"dense \([\d.]+% of the parameters\), where partial sparsification alone sends (\d+)",
+                         report)
+        assert cost, report
+        figures = [float(v) for v in cost.groups()[:-4]]
+        n, total, partial = map(int, cost.groups()[-3:])
+        assert all(v > 0 for v in figures) and partial <= n <= total, report
+        if ring:  # the faster of the two measured routes
+            assert cost.group(5) == ("by all-reduce" if figures[1] > figures[0] else "through the servers")
+        else:
+            assert cost.group(4) == "through the servers"
     # the trial-by-trial table: the step ratio and the same-compute ratio of the one trial
     assert re.search(r"^\| ps-adtopk \| [\d.]+x \([\d.]+x\) \| [\d.]+x \| [01] of 1 \|$", report, re.M), report
     # --paired: both PS systems also timed DDP dense in their own rounds, round by round
-    for system in ("ps-adtopk", "ps-adtopk+cost"):
+    for system in ("ps-adtopk", "ps-adtopk+cost", "ps-adtopk+hybrid"):
         row = re.search(rf"^\| {re.escape(system)} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)x "
                         rf"\[([\d.]+), ([\d.]+)\] \(([\d.]+)x\) \| ([\d.]+)x \| ([012]) of 2 \|$", report, re.M)
         assert row and all(int(v) > 0 for v in row.groups()[:4]), report

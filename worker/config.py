@@ -15,7 +15,7 @@ DEFAULTS = {
     "lr_schedule": {"name": "constant", "warmup_steps": 0},
     "epochs": 10, "steps": None,
     "compression": {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"},
-    "min_compress_bytes": 65536, "budget": False, "cost_model": False,
+    "min_compress_bytes": 65536, "budget": False, "cost_model": False, "dense_transport": "ps",
     "eval_every": 50, "checkpoint_every": 100, "seed": 0,
     "metrics": None, "progress": True,
 }

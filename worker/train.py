@@ -58,7 +58,8 @@ def make_compression(cfg: dict) -> bps.GradientCompression:
     # the policy's density is the compressor's own, however the config spelt it
     policy = SparsificationPolicy(compressor.ratio if compressor else 1.0,
                                   min_compress_bytes=cfg["min_compress_bytes"], budget=cfg["budget"])
-    return bps.GradientCompression(compressor, policy, measure_costs=cfg["cost_model"])
+    return bps.GradientCompression(compressor, policy, measure_costs=cfg["cost_model"],
+                                   dense_transport=cfg["dense_transport"])
 
 
 def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:
@@ -136,7 +137,7 @@ def train(cfg: dict, args) -> dict:
             record = {"step": step + 1, "loss": loss_value,
                       "samples_per_s": size * batch * done / (time.perf_counter() - began),
                       "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
-                      "compress_s": client.compress_seconds}
+                      "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds}
             record["accuracy"], record["test_loss"] = evaluate(model, data)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -148,7 +149,7 @@ def train(cfg: dict, args) -> dict:
     summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": end,
                "samples_per_s": size * batch * done / wall if done else 0.0,
                "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
-               "compress_s": client.compress_seconds,
+               "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds,
                "compressor": opt._compression.compressor.name if opt._compression.compressor else "none",
                "wall_s": wall, "workers": size, "rank": rank, "checksum": checksum(model)}
     if log is not None:

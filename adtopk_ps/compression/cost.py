@@ -1,6 +1,7 @@
 """Whether sparsifying a tensor pays, from speeds measured on this job's machine and links.
 
-Sending a tensor dense costs its bytes twice (push, then the dense answer).
+Sending a tensor dense costs its bytes twice (push, then the dense answer;
+or, all-reduced among the workers, about as many bytes in and out of each).
 Sparsifying costs the compression, the sparse push, and an answer that can
 be as large as W workers' selections together. A sparse tensor is also a
 key of its own, where a small dense one rides in a fusion bucket: the fixed
@@ -28,12 +29,15 @@ class CostModel:
     workers: int
     key_s: float = 0.0  # what one more key costs: a tiny push_pull's round trip
     fusion_bytes: int = 0  # dense tensors up to this size ride in a fusion bucket
+    # the same figure for the route dense tensors take, where that is not the servers (an
+    # all-reduce among the workers); 0: the servers
+    dense_bytes_per_s: float = 0.0
 
     def sparse_pays(self, numel: int, itemsize: int, ratio: float) -> bool:
         dense_bytes = numel * itemsize
         sparse_bytes = numel * ratio * (itemsize + _INDEX_BYTES)
         answer = min(self.workers * sparse_bytes, dense_bytes)
-        dense = 2 * dense_bytes / self.bytes_per_s
+        dense = 2 * dense_bytes / (self.dense_bytes_per_s or self.bytes_per_s)
         sparse = self.compress_s_per_element * numel + (sparse_bytes + answer) / self.bytes_per_s
         if dense_bytes < self.fusion_bytes:  # dense, it would add no key
             sparse += self.key_s

@@ -14,10 +14,12 @@ import time
 from typing import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from ..client import Handle
 from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
                            create)
+from .allreduce import DenseLane, Reduction, check_transport, time_allreduce, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
 from .overlap import OverlapTrial
 from .runtime import client
@@ -39,9 +41,13 @@ class GradientCompression:
     """One compressor plus the policy that says which tensors it gets, and at what density."""
 
     def __init__(self, compression: Compressor | str | Mapping | None = None,
-                 policy: SparsificationPolicy | None = None, measure_costs: bool = False):
+                 policy: SparsificationPolicy | None = None, measure_costs: bool = False,
+                 dense_transport: str = "ps"):
         """``measure_costs``: time the link and the compressor when the optimizer starts, and
-        send dense every tensor for which sparsifying would not pay (:class:`CostModel`)."""
+        send dense every tensor for which sparsifying would not pay (:class:`CostModel`).
+        ``dense_transport``: how tensors sent dense travel: through the servers (``"ps"``),
+        all-reduced among the workers (``"allreduce"``, :mod:`.allreduce`), or whichever of the
+        two measures faster when the optimizer starts (``"auto"``)."""
         if compression is None or compression == "none":
             self.compressor = None
         elif isinstance(compression, Compressor):
@@ -51,32 +57,47 @@ class GradientCompression:
         ratio = self.compressor.ratio if self.compressor is not None else 1.0
         self.policy = policy or SparsificationPolicy(ratio)
         self.measure_costs = measure_costs and self.compressor is not None
+        self.dense_transport = check_transport(dense_transport)
+        self.allreduce = dense_transport == "allreduce"  # "auto" decides in calibrate()
+        self.costs: CostModel | None = None  # what calibrate() measured
+        self.allreduce_bytes_per_s = 0.0  # likewise, where it timed the workers' all-reduce
         self.routes: dict[str, Route] = {}
 
-    def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0) -> CostModel:
-        """Measure dense push/pull throughput, a tiny key's round trip and compression speed;
-        every worker must call it. ``fusion``: the optimizer's bucket capacity in bytes."""
+    def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0,
+                  group: dist.ProcessGroupGloo | None = None) -> CostModel:
+        """Measure dense push/pull throughput, a tiny key's round trip, compression speed and,
+        given the workers' ``group``, all-reduce throughput; every worker must call it.
+        ``fusion``: the optimizer's bucket capacity in bytes."""
         probe = torch.zeros(probe_bytes // 4)
         link = _round_trip(probe, "cost-model.link", 3)
         key = _round_trip(torch.zeros(1), "cost-model.key", 6)
+        ring = time_allreduce(group, probe, 3) if group is not None else 0.0
         inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
-        mine = torch.tensor([link, compression_speed(inner), key], dtype=torch.float64)
+        speed = compression_speed(inner) if inner is not None else 0.0
+        mine = torch.tensor([link, ring, speed, key], dtype=torch.float64)
         # every worker must route every tensor alike, or each waits for keys the others never
         # push: all decide from the same figures, the mean of every worker's own
-        link, speed, key = client().push_pull(mine, "cost-model.figures").wait().tolist()
-        model = CostModel(2 * probe.numel() * probe.element_size() / link, speed, client().size,
-                          key_s=key, fusion_bytes=fusion)
-        self.policy.cost_model = model
-        return model
+        link, ring, speed, key = client().push_pull(mine, "cost-model.figures").wait().tolist()
+        if self.dense_transport == "auto":
+            self.allreduce = group is not None and ring < link
+        moved = 2 * probe.numel() * probe.element_size()
+        self.allreduce_bytes_per_s = moved / ring if ring else 0.0
+        self.costs = CostModel(moved / link, speed, client().size, key_s=key, fusion_bytes=fusion,
+                               dense_bytes_per_s=self.allreduce_bytes_per_s if self.allreduce else 0.0)
+        if self.measure_costs:
+            self.policy.cost_model = self.costs
+        return self.costs
 
     def plan(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.routes = self.policy.plan(named)
 
+    def dense(self, name: str) -> bool:
+        return self.compressor is None or self.routes[name].dense
+
     def for_tensor(self, name: str) -> tuple[Compressor | None, float | None]:
-        route = self.routes[name]
-        if self.compressor is None or route.dense:
+        if self.dense(name):
             return None, None
-        return self.compressor, route.ratio
+        return self.compressor, self.routes[name].ratio
 
     def state_dict(self) -> dict:
         return self.compressor.state_dict() if self.compressor is not None else {}
@@ -108,24 +129,31 @@ class _Distributed:
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
-        if self._compression.measure_costs:
-            self._compression.calibrate(fusion=capacity)
+        transport = self._compression.dense_transport
+        group = worker_group() if transport != "ps" else None
+        if self._compression.measure_costs or transport == "auto":
+            self._compression.calibrate(fusion=capacity, group=group)
         self._compression.plan(self._named)
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}
-        self._handles: dict[int, Handle] = {}
-        dense = {name for name, _ in self._named if self._compression.routes[name].dense}
+        self._handles: dict[int, Handle | Reduction] = {}
+        dense = {name for name, _ in self._named if self._compression.dense(name)}
         self._buckets = plan_buckets(self._named, dense, capacity)
         self._bucket_of: dict[int, Bucket] = {id(p): b for b in self._buckets for p, _ in b.members}
-        self._bucket_handles: dict[str, Handle] = {}
+        self._bucket_handles: dict[str, Handle | Reduction] = {}
+        # every dense tensor or bucket, in the order backward produces them
+        units = list(dict.fromkeys(self._bucket_of[id(p)].name if id(p) in self._bucket_of else name
+                                   for name, p in reversed(self._named) if name in dense))
+        self._lane = DenseLane(group, units, client().timeout) if self._compression.allreduce \
+            else None
         self._synchronized = False
         self._skip = False
         self._ps_steps = 0
         c = client()
         for name, p in self._named:
-            if id(p) not in self._bucket_of:
+            if id(p) not in self._bucket_of and (self._lane is None or name not in dense):
                 c.declare(name, p.detach())
-        for bucket in self._buckets:
+        for bucket in self._buckets if self._lane is None else ():
             c.declare(bucket.name, bucket.buffer)
         self._hooks: list = []
         self._trial = OverlapTrial() if overlap == "auto" else None
@@ -140,6 +168,12 @@ class _Distributed:
         """
         self._hook_up(overlap)
         self._trial = None
+
+    @property
+    def allreduce_bytes(self) -> int:
+        """Bytes this worker has sent and received all-reducing dense tensors (by the ring's
+        figure); what goes through the servers, the client counts."""
+        return self._lane.bytes_moved if self._lane is not None else 0
 
     @property
     def overlap(self) -> bool:
@@ -168,8 +202,9 @@ class _Distributed:
         bucket = self._bucket_of.get(id(p))
         if bucket is not None:
             if bucket.put(p, grad):
-                self._bucket_handles[bucket.name] = client().push_pull(
-                    bucket.buffer, bucket.name, step=self._ps_steps, out=bucket.buffer)
+                self._bucket_handles[bucket.name] = self._lane.start(bucket.name, bucket.buffer) \
+                    if self._lane is not None else client().push_pull(
+                        bucket.buffer, bucket.name, step=self._ps_steps, out=bucket.buffer)
             return
         if grad is None:
             grad = torch.zeros_like(p)
@@ -177,6 +212,9 @@ class _Distributed:
             raise RuntimeError(f"gradient of {name!r} pushed twice before step(); with gradient "
                                f"accumulation set backward_passes_per_step")
         comp, ratio = self._compression.for_tensor(name)
+        if comp is None and self._lane is not None:
+            self._handles[id(p)] = self._lane.start(name, grad)
+            return
         # the average lands in the gradient's own memory: no buffer to allocate, no copy after
         # (a non-contiguous one, e.g. channels_last, gets a buffer: answers land in flat views)
         self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps,

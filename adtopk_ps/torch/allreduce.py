@@ -1,0 +1,123 @@
+"""The dense part all-reduced among the workers, the sparse part through the servers.
+
+Through the servers every dense byte goes up to a server and comes back,
+and the servers spend CPU on each; a ring all-reduce moves about as many
+bytes per worker and needs no server at all. Where sparsifying does not pay
+(a fast link, small layers) that makes it the cheaper dense route: the
+paper's hybrid communication. The workers form a gloo group of their own;
+the parameter server only tells them where worker 0's rendezvous store
+listens.
+
+gloo matches collectives by the order they start in, so every worker starts
+them in one fixed order (the order backward produces the tensors) whatever
+order they become ready in: a tensor ready before its predecessors waits
+for them.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from ..client import PSClient
+from ..transport import ClusterError
+from .broadcast import broadcast_object
+from .runtime import client
+
+TRANSPORTS = ("ps", "allreduce", "auto")
+_groups: "weakref.WeakKeyDictionary[PSClient, dist.ProcessGroupGloo]" = weakref.WeakKeyDictionary()
+
+
+def check_transport(transport: str) -> str:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"dense_transport must be one of {list(TRANSPORTS)}, got {transport!r}")
+    return transport
+
+
+def worker_group() -> dist.ProcessGroupGloo:
+    """This job's gloo group of every worker (made once per client; every worker must call it).
+
+    gloo neither authenticates nor encrypts, so it is refused where the
+    parameter server's own traffic is (``PS_CURVE_KEYS``).
+    """
+    c = client()
+    group = _groups.get(c)
+    if group is not None:
+        return group
+    if c.encrypted:
+        raise ValueError("dense_transport='allreduce' would send gradients over gloo, which neither "
+                         "authenticates nor encrypts; with PS_CURVE_KEYS set use dense_transport='ps'")
+    timeout = datetime.timedelta(seconds=c.timeout)
+    host = c.config.node_host
+    store = dist.TCPStore(host, 0, c.size, True, timeout, wait_for_workers=False) \
+        if c.rank == 0 else None
+    root, port = broadcast_object((host, store.port) if store else None, 0, "allreduce.rendezvous")
+    if store is None:
+        store = dist.TCPStore(root, port, c.size, False, timeout)
+    options = dist.ProcessGroupGloo._Options()  # what torch.distributed itself builds for gloo
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # the announced address
+    group = _groups[c] = dist.ProcessGroupGloo(store, c.rank, c.size, options)
+    return group
+
+
+def time_allreduce(group: dist.ProcessGroupGloo, probe: torch.Tensor, repeats: int) -> float:
+    """The fastest of ``repeats`` all-reduces of ``probe`` (the first connects)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        group.allreduce([probe]).wait()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+class Reduction:
+    """A dense tensor's all-reduce: waits like a push_pull handle, answers the average."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, lane: "DenseLane"):
+        self.name, self.lane = name, lane
+        # gloo reduces contiguous memory only; a strided gradient goes through a copy
+        self.tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+        self.work: dist.Work | None = None
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        if self.work is None:
+            raise RuntimeError(f"the all-reduce of {self.name!r} has not started: a tensor before "
+                               f"it in the order every worker starts them in is not ready yet")
+        timeout = self.lane.timeout if timeout is None else timeout
+        try:
+            self.work.wait(datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:
+            raise ClusterError(f"dense all-reduce of {self.name!r} failed: {exc}") from None
+        return self.tensor.div_(self.lane.size)
+
+
+class DenseLane:
+    """Starts all-reduces in ``order`` (names) on every worker, one round after another."""
+
+    def __init__(self, group: dist.ProcessGroupGloo, order: list[str], timeout: float):
+        self.group, self.timeout, self.size = group, timeout, group.size()
+        self._index = {name: i for i, name in enumerate(order)}
+        self._waiting: dict[int, Reduction] = {}
+        self._next = 0
+        # what a ring all-reduce sends and receives per worker: 2 (W - 1) / W of the tensor
+        # each way (gloo does not count its bytes; this is its algorithm's figure)
+        self.bytes_moved = 0
+
+    def start(self, name: str, tensor: torch.Tensor) -> Reduction:
+        index = self._index[name]
+        if index < self._next or index in self._waiting:
+            raise RuntimeError(f"{name!r} all-reduced twice in one round; with gradient "
+                               f"accumulation set backward_passes_per_step")
+        reduction = self._waiting[index] = Reduction(name, tensor, self)
+        while self._next in self._waiting:
+            ready = self._waiting.pop(self._next)
+            ready.work = self.group.allreduce([ready.tensor])
+            self.bytes_moved += 4 * (self.size - 1) * ready.tensor.nbytes // self.size
+            self._next += 1
+        if self._next == len(self._index):
+            self._next = 0
+        return reduction
