@@ -94,6 +94,46 @@ def test_the_cost_model_prices_dense_by_the_route_dense_tensors_take():
     assert not by_allreduce.sparse_pays(1 << 20, 4, 0.01)
 
 
+_UNDER_CURVE = """
+import pytest, torch
+import adtopk_ps.torch as bps
+bps.init()
+assert bps.client().encrypted
+model = torch.nn.Linear(64, 300)
+with pytest.raises(ValueError) as refused:
+    bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                             bps.GradientCompression("adtopk", dense_transport="allreduce"))
+print("refused:", refused.value)
+compression = bps.GradientCompression("adtopk", dense_transport="auto")
+opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                               compression)
+model(torch.randn(2, 64)).sum().backward()
+opt.step()
+print("auto:", compression.allreduce, compression.allreduce_bytes_per_s, opt.allreduce_bytes,
+      bps.client().bytes_pushed > 0)
+bps.shutdown()
+"""
+
+
+def test_under_curve_keys_allreduce_is_refused_and_auto_keeps_to_the_servers(tmp_path):
+    """gloo would carry the gradients in the clear beside an encrypted parameter server.
+    (A process of its own: CURVE, once set up on a zmq context, stays on it.)"""
+    from adtopk_ps.security import keygen
+    from procs import roles
+    keygen(tmp_path / "keys")
+    keys = {"PS_CURVE_KEYS": str(tmp_path / "keys")}
+    with roles(1, 1, **keys) as (config, _):
+        env = {**os.environ, **FAST, **keys, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0",
+               "DMLC_PS_ROOT_URI": config.root_uri, "DMLC_PS_ROOT_PORT": str(config.root_port),
+               "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_NODE_HOST": "127.0.0.1"}
+        result = subprocess.run([sys.executable, "-c", _UNDER_CURVE], env=env, capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert ("refused: dense_transport='allreduce' would send gradients over gloo, which neither "
+            "authenticates nor encrypts; with PS_CURVE_KEYS set use dense_transport='ps'") in result.stdout
+    assert "auto: False 0.0 0 True" in result.stdout  # no group made, nothing timed, the servers used
+
+
 def _digests(out: str) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {}
     for rank, digest in re.findall(r"worker (\d): step \d+ (\w+)", out):

@@ -130,7 +130,9 @@ class _Distributed:
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
         transport = self._compression.dense_transport
-        group = worker_group() if transport != "ps" else None
+        # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
+        group = worker_group() if transport == "allreduce" or transport == "auto" and \
+            not client().encrypted else None
         if self._compression.measure_costs or transport == "auto":
             self._compression.calibrate(fusion=capacity, group=group)
         self._compression.plan(self._named)
