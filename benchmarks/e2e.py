@@ -170,7 +170,6 @@ def worker(args: argparse.Namespace) -> None:
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
-        from adtopk_ps.torch.overlap import steps_to_choose
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        model.named_parameters(), compression)  # overlap="auto"
         client = bps.client()
@@ -185,8 +184,11 @@ def worker(args: argparse.Namespace) -> None:
             with opt.skip_synchronize():
                 opt.step()
 
-        # the overlap trial chooses in steps of their own, then every kind warms up
-        interleaved({"step": (nothing, lambda: step("step"))}, steps_to_choose())
+        # the step trial (overlap, and with the cost model its routes against every tensor
+        # dense) chooses in steps of its own, then every kind warms up; every worker chooses
+        # at the same step
+        while opt.choosing:
+            interleaved({"step": (nothing, lambda: step("step"))}, 1)
         chose = opt.overlap
         kinds = {"compute": (nothing, local_step), "step": (nothing, lambda: step("step"))}
         if system.get("measure_overlap"):  # the same steps the other way, to measure what overlap hides

@@ -61,8 +61,9 @@ class Bucket:
 
 
 def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], dense: set[str],
-                 capacity: int) -> list[Bucket]:
-    """Buckets for the dense parameters smaller than ``capacity``, in backward order."""
+                 capacity: int, prefix: str = "fused.") -> list[Bucket]:
+    """Buckets for the dense parameters smaller than ``capacity``, in backward order, named
+    ``prefix`` and their index."""
     buckets: list[Bucket] = []
     group: list[torch.Tensor] = []
     used = 0
@@ -73,7 +74,7 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], dense: set[str],
             total = sum(p.numel() for p in group)
             buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
             offsets = [sum(q.numel() for q in group[:i]) for i in range(len(group))]
-            buckets.append(Bucket(f"fused.{len(buckets)}", buffer, list(zip(group, offsets))))
+            buckets.append(Bucket(f"{prefix}{len(buckets)}", buffer, list(zip(group, offsets))))
         group, used = [], 0
 
     for name, p in reversed(list(named)):

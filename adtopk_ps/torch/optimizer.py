@@ -3,7 +3,7 @@
 With overlap, a hook on every parameter starts its compress + push as soon
 as its gradient has been accumulated, so communication overlaps the rest of
 the backward pass; without it, ``step()`` pushes them all (``overlap="auto"``,
-the default, times both, see :mod:`.overlap`). ``step()`` waits for the
+the default, times both, see :mod:`.trial`). ``step()`` waits for the
 answers, writes the averaged gradients into ``p.grad`` and then runs the
 wrapped optimizer.
 """
@@ -21,7 +21,7 @@ from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, c
                            create)
 from .allreduce import DenseLane, Reduction, check_transport, time_allreduce, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
-from .overlap import OverlapTrial
+from .trial import Trial
 from .runtime import client
 
 
@@ -107,6 +107,20 @@ class GradientCompression:
             self.compressor.load_state_dict(state)
 
 
+_Layout = tuple[list[Bucket], dict[int, Bucket], DenseLane | None]
+
+
+def _agree(medians: list[float]) -> list[float]:
+    """Every worker's step-trial medians, averaged: all must route alike."""
+    mine = torch.tensor(medians, dtype=torch.float64)
+    return client().push_pull(mine, f"step-trial.{len(medians)}").wait().tolist()
+
+
+def _describe(mode: tuple[bool, int]) -> str:
+    overlap, plan = mode
+    return f"{'overlap' if overlap else 'no overlap'}{', every tensor dense' if plan else ''}"
+
+
 class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
@@ -139,43 +153,72 @@ class _Distributed:
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}
         self._handles: dict[int, Handle | Reduction] = {}
-        dense = {name for name, _ in self._named if self._compression.dense(name)}
-        self._buckets = plan_buckets(self._named, dense, capacity)
-        self._bucket_of: dict[int, Bucket] = {id(p): b for b in self._buckets for p, _ in b.members}
         self._bucket_handles: dict[str, Handle | Reduction] = {}
-        # every dense tensor or bucket, in the order backward produces them
-        units = list(dict.fromkeys(self._bucket_of[id(p)].name if id(p) in self._bucket_of else name
-                                   for name, p in reversed(self._named) if name in dense))
-        self._lane = DenseLane(group, units, client().timeout) if self._compression.allreduce \
-            else None
         self._synchronized = False
         self._skip = False
         self._ps_steps = 0
+        self._capacity, self._group = capacity, group
+        # the cost model's routes and, to time them against (see .trial), every tensor dense
+        self._plans = [self._compression.routes]
+        if self._compression.measure_costs and not all(self._compression.dense(n) for n, _ in self._named):
+            self._plans.append(dict.fromkeys(self._compression.routes, Route(True, 1.0)))
+        self._layouts: dict[int, _Layout] = {}
+        self._use_plan(0)
+        self._hooks: list = []
+        overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
+        modes = [(o, plan) for plan in range(len(self._plans)) for o in overlaps]
+        self._trial = Trial(modes, agree=_agree, describe=_describe) if len(modes) > 1 else None
+        self._hook_up(modes[0][0])
+
+    def _use_plan(self, plan: int) -> None:
+        """Route by ``self._plans[plan]`` from the next gradient on (between steps only)."""
+        self._compression.routes = self._plans[plan]
+        if plan not in self._layouts:
+            self._layouts[plan] = self._lay_out(f"fused.{plan}." if plan else "fused.")
+        self._buckets, self._bucket_of, self._lane = self._layouts[plan]
+        self._plan = plan
+
+    def _lay_out(self, prefix: str) -> "_Layout":
+        """Buckets and the all-reduce lane for the current routes; declares what the servers
+        will see (every worker lays out the same plans at the same step)."""
+        dense = {name for name, _ in self._named if self._compression.dense(name)}
+        buckets = plan_buckets(self._named, dense, self._capacity, prefix)
+        bucket_of = {id(p): b for b in buckets for p, _ in b.members}
+        # every dense tensor or bucket, in the order backward produces them
+        units = list(dict.fromkeys(bucket_of[id(p)].name if id(p) in bucket_of else name
+                                   for name, p in reversed(self._named) if name in dense))
+        lane = DenseLane(self._group, units, client().timeout) if self._compression.allreduce \
+            else None
         c = client()
         for name, p in self._named:
-            if id(p) not in self._bucket_of and (self._lane is None or name not in dense):
+            if id(p) not in bucket_of and (lane is None or name not in dense):
                 c.declare(name, p.detach())
-        for bucket in self._buckets if self._lane is None else ():
+        for bucket in buckets if lane is None else ():
             c.declare(bucket.name, bucket.buffer)
-        self._hooks: list = []
-        self._trial = OverlapTrial() if overlap == "auto" else None
-        self._hook_up(overlap in (True, "auto"))  # a trial starts with overlap
+        return buckets, bucket_of, lane
 
     def set_overlap(self, overlap: bool) -> None:
         """Push each gradient as backward produces it (True), or all of them in ``step()``;
-        ends an ``overlap="auto"`` trial.
+        ends an ``overlap="auto"`` trial (one still timing goes back to the cost model's routes).
 
         Between steps only: the benchmarks switch it step by step to measure,
         under the same conditions, what overlap hides.
         """
         self._hook_up(overlap)
+        if self._trial is not None and self._trial.choice is None:
+            self._use_plan(0)
         self._trial = None
+
+    @property
+    def choosing(self) -> bool:
+        """Whether a step trial (:mod:`.trial`) is still timing its modes."""
+        return self._trial is not None and self._trial.choice is None
 
     @property
     def allreduce_bytes(self) -> int:
         """Bytes this worker has sent and received all-reducing dense tensors (by the ring's
         figure); what goes through the servers, the client counts."""
-        return self._lane.bytes_moved if self._lane is not None else 0
+        return sum(lane.bytes_moved for _, _, lane in self._layouts.values() if lane is not None)
 
     @property
     def overlap(self) -> bool:
@@ -260,9 +303,11 @@ class _Distributed:
         self._ps_steps += 1
         loss = super().step(closure)
         if self._trial is not None:
-            mode = self._trial.next_mode()
-            if mode != self.overlap:
-                self._hook_up(mode)
+            overlap, plan = self._trial.next_mode()
+            if plan != self._plan:
+                self._use_plan(plan)
+            if overlap != self.overlap:
+                self._hook_up(overlap)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -305,7 +350,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     sends dense (biases, norms, small layers) skip the compressor.
     ``overlap=True`` pushes each gradient during the backward pass,
     ``False`` everything in ``step()``; the default ``"auto"`` times steps
-    both ways and keeps the faster (:mod:`.overlap`: overlap pays where a
+    both ways and keeps the faster (:mod:`.trial`: overlap pays where a
     core is free, pushing after backward where none is).
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).

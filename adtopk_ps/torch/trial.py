@@ -1,0 +1,91 @@
+"""Choosing by timing real steps: overlap or not (``overlap="auto"``), and with the cost
+model, its routes or every tensor dense.
+
+Overlap pays where a core is free for the engine thread (e2e benchmark, VGG,
+one worker on two cores: 179 ms a step with overlap, 222 without). Where
+every core is busy (more processes than cores, servers on the workers' hosts)
+the engine's compression takes the CPU the backward pass needs, and the two
+ways measured within 1-8% of each other, either one faster (two workers on two
+cores: VGG 264 against 273 ms, ResNet-18 475 against 459).
+
+The cost model prices each tensor from link and compression speeds timed
+with nothing else running. Where the step is CPU-bound, the sparse route's
+CPU (compression, the servers' aggregation) comes out of the backward pass
+while a dense all-reduce's link time does not, which the model cannot see
+(e2e, Transformer at 10 Gbit/s, paired with dense DDP: 0.94x-0.99x with 8 of
+its 52 tensors sparse, 1.00x with all dense). So its plan is timed against
+sending every tensor dense.
+
+Which holds depends on the job's hosts, so it is measured in the job: after
+a few steps to settle in, steps take the modes in turn, so that a shared
+machine's drift slows all alike, and the mode with the lowest median step
+time stays; every worker's medians are averaged first, as every worker must
+route alike.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable, Hashable, Sequence
+
+from ..env import env_int
+
+log = logging.getLogger("adtopk_ps.trial")
+WARMUP = 2  # timed steps left out before the modes take turns (the first step is never timed)
+
+
+def trial_steps() -> int:
+    """``PS_OVERLAP_TRIAL_STEPS``: steps timed in each mode before choosing (default 8)."""
+    return env_int("PS_OVERLAP_TRIAL_STEPS", 8, minimum=1)
+
+
+class Trial:
+    """Times whole steps (one ``step()`` to the next) in each of ``modes`` and picks one.
+
+    ``agree`` turns this worker's medians into the ones every worker decides
+    from (default: its own)."""
+
+    def __init__(self, modes: Sequence[Hashable], steps: int | None = None, warmup: int = WARMUP,
+                 clock: Callable[[], float] = time.perf_counter,
+                 agree: Callable[[list[float]], list[float]] = lambda medians: medians,
+                 describe: Callable[[Hashable], str] = str):
+        self.modes = list(modes)
+        self.steps = trial_steps() if steps is None else steps
+        self.warmup, self.clock, self.agree, self.describe = warmup, clock, agree, describe
+        self.times: dict[Hashable, list[float]] = {mode: [] for mode in self.modes}
+        self.choice: Hashable | None = None
+        self._turn = 0
+        self._ended = 0  # steps whose duration is known
+        self._last: float | None = None
+
+    @property
+    def length(self) -> int:
+        """Steps the trial runs before every later one goes the chosen way."""
+        return self.warmup + 1 + len(self.modes) * self.steps
+
+    @property
+    def mode(self) -> Hashable:
+        """The mode of the coming step."""
+        return self.modes[self._turn] if self.choice is None else self.choice
+
+    def next_mode(self) -> Hashable:
+        """Call at the end of every step; the mode for the next one."""
+        if self.choice is not None:
+            return self.choice
+        now = self.clock()
+        if self._last is not None:
+            self._ended += 1
+            if self._ended > self.warmup:
+                self.times[self.mode].append(now - self._last)
+        self._last = now
+        if min(len(t) for t in self.times.values()) >= self.steps:
+            medians = self.agree([statistics.median(self.times[m]) for m in self.modes])
+            self.choice = self.modes[medians.index(min(medians))]
+            log.info("step trial (medians of %d steps): %s; keeping %s", self.steps,
+                     ", ".join(f"{self.describe(m)} {1000 * t:.1f} ms" for m, t in zip(self.modes, medians)),
+                     self.describe(self.choice))
+            return self.choice
+        if self._ended >= self.warmup:
+            self._turn = (self._turn + 1) % len(self.modes)
+        return self.mode
