@@ -187,7 +187,7 @@ class PSClient:
         (default: how often this name was pushed), which a resumed job sets
         so that seeds and schedules continue.
         """
-        self._check()
+        self.check()
         meta = self._declare(name, tensor)
         last = self._last.get(name)
         if last is not None and not last.done():
@@ -215,7 +215,7 @@ class PSClient:
 
     def barrier(self, timeout: float | None = None) -> None:
         """Wait until every worker has reached this barrier."""
-        self._check()
+        self.check()
         done = threading.Event()
         with self._lock:
             self._commands.append(("barrier", done))
@@ -223,7 +223,7 @@ class PSClient:
         timeout = self.timeout if timeout is None else timeout
         if not done.wait(timeout):
             raise TimeoutError(f"barrier not reached by every worker within {timeout:.1f} s")
-        self._check()
+        self.check()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the scheduler this worker is done and stop the engine."""
@@ -237,7 +237,8 @@ class PSClient:
             self._thread.join(timeout)
         self._wake_out.close(0)
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise what ended this worker's part in the job (a lost peer, a refused push), if any."""
         if self._error is not None:
             raise self._error
         if self._closed:

@@ -380,7 +380,9 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = []
         for system, r in by_system.items():
-            rows.append((system + (f" (chose {mode(r['overlap'])})" if "overlap" in r else ""), r))
+            every = "cost" in r and r["dense"][0] == r["dense"][1]  # the step trial's other plan
+            rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
+                                   if "overlap" in r else ""), r))
             if "other" in r:
                 rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
         for system, r in rows:

@@ -43,7 +43,7 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "e2e-vgg-1024-paired.md").read_text()
     rows = {m.group(1): m for m in re.finditer(
-        r"^\| ([\w+-]+)(?: \(chose (?:no )?overlap\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
+        r"^\| ([\w+-]+)(?: \(chose (?:no )?overlap(?:, every tensor dense)?\))? \| ([\d.]+) \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ \| \d+ \| ([^|]+) \| ([\d.]+)x \|",
         report, re.M)}
     assert set(rows) == {"ps-adtopk", "ps-adtopk+cost", "ps-adtopk+hybrid", "ddp-dense"}, report
     assert float(rows["ps-adtopk"].group(6)) < 5  # MB per step: ADTopk's, not dense

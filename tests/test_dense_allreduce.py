@@ -173,27 +173,41 @@ def test_auto_measures_both_routes_and_every_worker_chooses_alike():
     assert len(digests["0"]) == 6 and digests["0"] == digests["1"]
 
 
-def test_a_worker_dying_mid_all_reduce_ends_the_other_with_a_named_error_in_seconds():
+def _until_worker_1(event: str, *extra: str) -> tuple[int, float, str]:
+    """A 2x2 hybrid_check job whose worker 1 ``event`` ("dying" or "hanging") mid-step: the
+    launcher's status, the seconds from then to the job's end, and the output."""
     launcher = subprocess.Popen(
         [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "2", "--num-servers", "2",
-         "--timeout", "100", "--", sys.executable, str(PROGRAM), "allreduce", "1", "none", "--die-at", "3"],
+         "--timeout", "100", "--", sys.executable, str(PROGRAM), "allreduce", "1", "none", *extra],
         env={**os.environ, **FAST}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
     try:
         lines = []
         for line in launcher.stdout:
             lines.append(line)
-            if "worker 1: dying" in line:
+            if f"worker 1: {event}" in line:
                 break
-        died_at = time.monotonic()
+        began = time.monotonic()
         rest, _ = launcher.communicate(timeout=60)
-        elapsed = time.monotonic() - died_at
+        elapsed = time.monotonic() - began
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.wait()
-    out = "".join(lines) + rest
-    assert launcher.returncode != 0 and elapsed < 12, (elapsed, out[-3000:])
+    return launcher.returncode, elapsed, "".join(lines) + rest
+
+
+def test_a_worker_dying_mid_all_reduce_ends_the_other_with_a_named_error_in_seconds():
+    status, elapsed, out = _until_worker_1("dying", "--die-at", "3")
+    assert status != 0 and elapsed < 12, (elapsed, out[-3000:])
     # the all-reduce sees the closed connection at once; the heartbeat names the worker too
     assert re.search(r"\[worker 0\] .*(dense all-reduce of '[\w.]+' failed: .*Connection (?:closed|reset) by peer"
                      r"|worker 1 \(127\.0\.0\.1\) lost)", out), out[-3000:]
+
+
+def test_a_hung_worker_ends_the_others_all_reduce_wait_within_the_heartbeat_timeout():
+    """A stopped process keeps its connections open, so gloo alone would wait out its whole
+    timeout (600 s); the heartbeats name the worker within seconds (2 s here)."""
+    status, elapsed, out = _until_worker_1("hanging", "--hang-at", "3")
+    assert status != 0 and elapsed < 12, (elapsed, out[-3000:])
+    assert re.search(r"\[worker 0\] .*worker 1 \(127\.0\.0\.1\) lost: no heartbeat", out), out[-3000:]

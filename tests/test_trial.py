@@ -98,11 +98,12 @@ def test_modes_take_turns_and_every_workers_medians_decide_together():
     assert trial.choice == (False, 1)
 
 
-@pytest.mark.parametrize("transport", ["ps", "auto"])
-def test_cost_model_routes_are_timed_against_every_tensor_dense_in_a_real_job(transport):
+def test_cost_model_routes_are_timed_against_every_tensor_dense_in_a_real_job():
     """Two workers with the cost model: during the trial both run the same modes step by
     step, the cost model's routes (12 of 16 tensors dense) and every tensor dense, then keep
-    the same one, with identical parameters at every step."""
+    the same one, with identical parameters at every step. (Dense through the servers: on
+    loopback an all-reduce can be fast enough that the model sends every tensor dense, and
+    there is nothing to time against.)"""
     import re
     import sys
     from pathlib import Path
@@ -110,7 +111,7 @@ def test_cost_model_routes_are_timed_against_every_tensor_dense_in_a_real_job(tr
     from procs import bpslaunch
     program = Path(__file__).resolve().parent / "programs" / "hybrid_check.py"
     result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--", sys.executable,
-                       str(program), transport, "1", "adtopk", "--cost", "--steps", "10",
+                       str(program), "ps", "1", "adtopk", "--cost", "--steps", "10",
                        env={"PS_OVERLAP_TRIAL_STEPS": "1"}, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     steps = {r: re.findall(rf"worker {r}: step \d+ (\w+) overlap=(\w+) dense=(\d+) choosing=(\w+)",

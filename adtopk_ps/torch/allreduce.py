@@ -12,12 +12,19 @@ gloo matches collectives by the order they start in, so every worker starts
 them in one fixed order (the order backward produces the tensors) whatever
 order they become ready in: a tensor ready before its predecessors waits
 for them.
+
+A peer that dies closes its connections and gloo fails at once; one that
+hangs, or whose host drops off the network, gloo would wait out for the
+whole timeout. So a wait also watches the parameter server's heartbeats,
+which name such a peer within seconds.
 """
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 import weakref
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +35,7 @@ from .broadcast import broadcast_object
 from .runtime import client
 
 TRANSPORTS = ("ps", "allreduce", "auto")
+HEALTH_CHECK_S = 0.2  # how often a wait looks at the parameter server's view of the job
 _groups: "weakref.WeakKeyDictionary[PSClient, dist.ProcessGroupGloo]" = weakref.WeakKeyDictionary()
 
 
@@ -82,14 +90,24 @@ class Reduction:
         # gloo reduces contiguous memory only; a strided gradient goes through a copy
         self.tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.work: dist.Work | None = None
+        self._done = threading.Event()
+
+    def launch(self, group: dist.ProcessGroupGloo) -> None:
+        self.work = group.allreduce([self.tensor])
+        self.work.get_future().add_done_callback(lambda _: self._done.set())
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self.work is None:
             raise RuntimeError(f"the all-reduce of {self.name!r} has not started: a tensor before "
                                f"it in the order every worker starts them in is not ready yet")
         timeout = self.lane.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not self._done.wait(HEALTH_CHECK_S):
+            self.lane.check()  # a peer the heartbeats lost
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dense all-reduce of {self.name!r} not done within {timeout:.1f} s")
         try:
-            self.work.wait(datetime.timedelta(seconds=timeout))
+            self.work.wait()
         except RuntimeError as exc:
             raise ClusterError(f"dense all-reduce of {self.name!r} failed: {exc}") from None
         return self.tensor.div_(self.lane.size)
@@ -98,8 +116,10 @@ class Reduction:
 class DenseLane:
     """Starts all-reduces in ``order`` (names) on every worker, one round after another."""
 
-    def __init__(self, group: dist.ProcessGroupGloo, order: list[str], timeout: float):
-        self.group, self.timeout, self.size = group, timeout, group.size()
+    def __init__(self, group: dist.ProcessGroupGloo, order: list[str], timeout: float,
+                 check: Callable[[], None] = lambda: None):
+        """``check`` raises once the job cannot go on (the PS client's :meth:`check`)."""
+        self.group, self.timeout, self.check, self.size = group, timeout, check, group.size()
         self._index = {name: i for i, name in enumerate(order)}
         self._waiting: dict[int, Reduction] = {}
         self._next = 0
@@ -115,7 +135,7 @@ class DenseLane:
         reduction = self._waiting[index] = Reduction(name, tensor, self)
         while self._next in self._waiting:
             ready = self._waiting.pop(self._next)
-            ready.work = self.group.allreduce([ready.tensor])
+            ready.launch(self.group)
             self.bytes_moved += 4 * (self.size - 1) * ready.tensor.nbytes // self.size
             self._next += 1
         if self._next == len(self._index):

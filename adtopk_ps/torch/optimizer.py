@@ -160,7 +160,8 @@ class _Distributed:
         self._capacity, self._group = capacity, group
         # the cost model's routes and, to time them against (see .trial), every tensor dense
         self._plans = [self._compression.routes]
-        if self._compression.measure_costs and not all(self._compression.dense(n) for n, _ in self._named):
+        if self._compression.measure_costs and \
+                not all(self._compression.dense(n) for n, _ in self._named):
             self._plans.append(dict.fromkeys(self._compression.routes, Route(True, 1.0)))
         self._layouts: dict[int, _Layout] = {}
         self._use_plan(0)
@@ -187,8 +188,8 @@ class _Distributed:
         # every dense tensor or bucket, in the order backward produces them
         units = list(dict.fromkeys(bucket_of[id(p)].name if id(p) in bucket_of else name
                                    for name, p in reversed(self._named) if name in dense))
-        lane = DenseLane(self._group, units, client().timeout) if self._compression.allreduce \
-            else None
+        lane = DenseLane(self._group, units, client().timeout, client().check) \
+            if self._compression.allreduce else None
         c = client()
         for name, p in self._named:
             if id(p) not in bucket_of and (lane is None or name not in dense):

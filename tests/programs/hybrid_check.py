@@ -5,11 +5,13 @@ is exact either way) and must agree between the workers.
     bpslaunch --local --num-workers 2 ... -- python hybrid_check.py TRANSPORT OVERLAP COMPRESSOR \
         [--die-at STEP]
 
-With --die-at, worker 1 dies in the middle of that step, its gradients half pushed.
+With --die-at, worker 1 dies in the middle of that step, its gradients half pushed; with
+--hang-at it stops there, alive but silent, as a hung process or a cut link would be.
 """
 import argparse
 import hashlib
 import os
+import signal
 
 import torch
 
@@ -22,6 +24,7 @@ def main() -> None:
     ap.add_argument("overlap", choices=["0", "1"])
     ap.add_argument("compressor")
     ap.add_argument("--die-at", type=int)
+    ap.add_argument("--hang-at", type=int, help="worker 1 stops (SIGSTOP) in the middle of that step")
     ap.add_argument("--cost", action="store_true", help="the measured cost model, its step trial too")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
@@ -55,6 +58,9 @@ def main() -> None:
         if step == args.die_at and rank == 1:  # with overlap, some gradients have left
             print(f"worker {rank}: dying", flush=True)
             os._exit(3)
+        if step == args.hang_at and rank == 1:
+            print(f"worker {rank}: hanging", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         opt.step()
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         print(f"worker {rank}: step {step} {digest.hexdigest()[:16]} overlap={overlap} "
