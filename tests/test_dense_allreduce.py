@@ -49,14 +49,15 @@ def test_every_worker_starts_in_the_lane_order_whatever_order_tensors_are_ready_
     order = ["a", "b", "c"]
     sizes = {"a": 3, "b": 1000, "c": 70}
     ready_in = [["a", "b", "c"], ["c", "a", "b"]]
-    answers = [{}, {}]
+    answers, reductions = [{}, {}], [{}, {}]
 
     def worker(rank):
         lane = DenseLane(groups[rank], order, timeout=20)
         for step in range(3):
-            started = {n: lane.start(n, torch.full((sizes[n],), float(10 * step + rank + ord(n))))
-                       for n in ready_in[rank]}
-            answers[rank][step] = {n: r.wait() for n, r in started.items()}
+            started = reductions[rank][step] = {
+                n: lane.start(n, torch.full((sizes[n],), float(10 * step + rank + ord(n))))
+                for n in ready_in[rank]}
+            answers[rank][step] = {n: r.wait().clone() for n, r in started.items()}
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
@@ -66,6 +67,7 @@ def test_every_worker_starts_in_the_lane_order_whatever_order_tensors_are_ready_
         for n in order:
             want = torch.full((sizes[n],), 10 * step + ord(n) + 0.5)  # the mean of rank 0's and 1's
             assert torch.equal(answers[0][step][n], want) and torch.equal(answers[1][step][n], want)
+            assert torch.equal(reductions[0][step][n].wait(), want)  # waiting again: the same
 
 
 def test_a_tensor_waited_for_before_its_predecessors_start_is_named_and_twice_is_refused():

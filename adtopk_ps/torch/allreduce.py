@@ -91,6 +91,7 @@ class Reduction:
         self.tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.work: dist.Work | None = None
         self._done = threading.Event()
+        self._averaged = False  # a second wait must not divide again
 
     def launch(self, group: dist.ProcessGroupGloo) -> None:
         self.work = group.allreduce([self.tensor])
@@ -110,7 +111,10 @@ class Reduction:
             self.work.wait()
         except RuntimeError as exc:
             raise ClusterError(f"dense all-reduce of {self.name!r} failed: {exc}") from None
-        return self.tensor.div_(self.lane.size)
+        if not self._averaged:
+            self.tensor.div_(self.lane.size)
+            self._averaged = True
+        return self.tensor
 
 
 class DenseLane:
