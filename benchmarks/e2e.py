@@ -1,5 +1,6 @@
-"""End to end, side by side: our PS (dense, top-k, ADTopk, ADTopk-I) against torch DDP on gloo
-(dense, PowerSGD, our ADTopk hook), every role on its own host in a network namespace,
+"""End to end, side by side: our PS (dense, top-k, ADTopk, ADTopk with the cost model and with
+hybrid communication, ADTopk-I) against torch DDP on gloo (dense, PowerSGD, our ADTopk hook),
+every role on its own host in a network namespace,
 links shaped with tc, all in one invocation. Every sparse PS system uses partial
 sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel dense.
 
@@ -11,7 +12,8 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
 
 Every PS system runs with the optimizer's default overlap="auto": its trial
 chooses in steps of their own before the timed rounds (timing
-OVERLAP_TRIAL_STEPS steps each way), and each PS row says which way it chose.
+OVERLAP_TRIAL_STEPS steps each way; with the cost model, its routes and every
+tensor dense too), and each PS row says which way it chose.
 Each worker's timed rounds then take turns, in an order that rotates every
 round: a forward+backward alone
 (compute, on a copy of the model that no optimizer or DDP hooks), a step of
