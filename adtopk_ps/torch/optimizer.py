@@ -347,12 +347,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     ``compression`` is a compressor, a name, a byteps-style dict
     (``{"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}``) or a
-    :class:`GradientCompression` with its own policy. Tensors the policy
-    sends dense (biases, norms, small layers) skip the compressor.
-    ``overlap=True`` pushes each gradient during the backward pass,
-    ``False`` everything in ``step()``; the default ``"auto"`` times steps
-    both ways and keeps the faster (:mod:`.trial`: overlap pays where a
-    core is free, pushing after backward where none is).
+    :class:`GradientCompression` with its own policy, cost model and dense
+    transport (through the servers or all-reduced among the workers).
+    Tensors the policy sends dense (biases, norms, small layers) skip the
+    compressor. ``overlap=True`` pushes each gradient during the backward
+    pass, ``False`` everything in ``step()``; the default ``"auto"`` times
+    steps both ways and keeps the faster (:mod:`.trial`: overlap pays where
+    a core is free, pushing after backward where none is); with the cost
+    model the same trial also times every tensor dense.
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
     """
