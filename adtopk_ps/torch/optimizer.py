@@ -164,7 +164,8 @@ class _Distributed:
                 not all(self._compression.dense(n) for n, _ in self._named):
             self._plans.append(dict.fromkeys(self._compression.routes, Route(True, 1.0)))
         self._layouts: dict[int, _Layout] = {}
-        self._use_plan(0)
+        for plan in reversed(range(len(self._plans))):  # all laid out now, none in a timed step
+            self._use_plan(plan)
         self._hooks: list = []
         overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
         modes = [(o, plan) for plan in range(len(self._plans)) for o in overlaps]
@@ -174,20 +175,22 @@ class _Distributed:
     def _use_plan(self, plan: int) -> None:
         """Route by ``self._plans[plan]`` from the next gradient on (between steps only)."""
         self._compression.routes = self._plans[plan]
-        if plan not in self._layouts:
+        if plan not in self._layouts:  # (every worker lays out the same plans in one order)
             self._layouts[plan] = self._lay_out(f"fused.{plan}." if plan else "fused.")
         self._buckets, self._bucket_of, self._lane = self._layouts[plan]
         self._plan = plan
 
     def _lay_out(self, prefix: str) -> "_Layout":
         """Buckets and the all-reduce lane for the current routes; declares what the servers
-        will see (every worker lays out the same plans at the same step)."""
+        will see."""
         dense = {name for name, _ in self._named if self._compression.dense(name)}
         buckets = plan_buckets(self._named, dense, self._capacity, prefix)
         bucket_of = {id(p): b for b in buckets for p, _ in b.members}
-        # every dense tensor or bucket, in the order backward produces them
+        # every dense tensor or bucket in the order backward completes them: a bucket at its
+        # last member (the first in the model's order), so that a tensor ready inside a
+        # bucket's span never waits for the bucket to fill
         units = list(dict.fromkeys(bucket_of[id(p)].name if id(p) in bucket_of else name
-                                   for name, p in reversed(self._named) if name in dense))
+                                   for name, p in self._named if name in dense))[::-1]
         lane = DenseLane(self._group, units, client().timeout, client().check) \
             if self._compression.allreduce else None
         c = client()

@@ -55,6 +55,7 @@ class Trial:
         self.warmup, self.clock, self.agree, self.describe = warmup, clock, agree, describe
         self.times: dict[Hashable, list[float]] = {mode: [] for mode in self.modes}
         self.choice: Hashable | None = None
+        self.medians: list[float] = []  # what every worker decided from, in mode order
         self._turn = 0
         self._ended = 0  # steps whose duration is known
         self._last: float | None = None
@@ -80,10 +81,11 @@ class Trial:
                 self.times[self.mode].append(now - self._last)
         self._last = now
         if min(len(t) for t in self.times.values()) >= self.steps:
-            medians = self.agree([statistics.median(self.times[m]) for m in self.modes])
-            self.choice = self.modes[medians.index(min(medians))]
+            self.medians = self.agree([statistics.median(self.times[m]) for m in self.modes])
+            self.choice = self.modes[self.medians.index(min(self.medians))]
             log.info("step trial (medians of %d steps): %s; keeping %s", self.steps,
-                     ", ".join(f"{self.describe(m)} {1000 * t:.1f} ms" for m, t in zip(self.modes, medians)),
+                     ", ".join(f"{self.describe(m)} {1000 * t:.1f} ms"
+                               for m, t in zip(self.modes, self.medians)),
                      self.describe(self.choice))
             return self.choice
         if self._ended >= self.warmup:

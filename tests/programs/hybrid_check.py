@@ -65,6 +65,9 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         print(f"worker {rank}: step {step} {digest.hexdigest()[:16]} overlap={overlap} "
               f"dense={dense} choosing={opt.choosing}", flush=True)
+    if opt._trial is not None and opt._trial.choice is not None:
+        medians = " ".join(f"{m}={t:.6f}" for m, t in zip(opt._trial.modes, opt._trial.medians))
+        print(f"worker {rank}: trial medians {medians} chose {opt._trial.choice}", flush=True)
     bps.shutdown()
 
 
