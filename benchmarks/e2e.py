@@ -382,7 +382,8 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         rows = []
         for system, r in by_system.items():
-            every = "cost" in r and r["dense"][0] == r["dense"][1]  # the step trial's other plan
+            # every tensor went dense: the step trial kept that plan, or the cost model chose it
+            every = "cost" in r and r["dense"][0] == r["dense"][1]
             rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
                                    if "overlap" in r else ""), r))
             if "other" in r:

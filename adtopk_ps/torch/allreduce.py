@@ -72,16 +72,6 @@ def worker_group() -> dist.ProcessGroupGloo:
     return group
 
 
-def time_allreduce(group: dist.ProcessGroupGloo, probe: torch.Tensor, repeats: int) -> float:
-    """The fastest of ``repeats`` all-reduces of ``probe`` (the first connects)."""
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        group.allreduce([probe]).wait()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
 class Reduction:
     """A dense tensor's all-reduce: waits like a push_pull handle, answers the average."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -19,22 +19,25 @@ import torch.distributed as dist
 from ..client import Handle
 from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
                            create)
-from .allreduce import DenseLane, Reduction, check_transport, time_allreduce, worker_group
+from .allreduce import DenseLane, Reduction, check_transport, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
 from .trial import Trial
 from .runtime import client
 
 
-def _round_trip(probe: torch.Tensor, name: str, repeats: int) -> float:
-    """The fastest of ``repeats`` push_pulls of ``probe`` (the first, which declares the key,
+def _fastest(call: Callable[[], object], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls (the first, which declares a key or connects,
     is the slow one the minimum leaves out)."""
-    c = client()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        c.push_pull(probe, name, average=False).wait()
+        call()
         best = min(best, time.perf_counter() - started)
     return best
+
+
+def _round_trip(probe: torch.Tensor, name: str, repeats: int) -> float:
+    return _fastest(lambda: client().push_pull(probe, name, average=False).wait(), repeats)
 
 
 class GradientCompression:
@@ -71,7 +74,7 @@ class GradientCompression:
         probe = torch.zeros(probe_bytes // 4)
         link = _round_trip(probe, "cost-model.link", 3)
         key = _round_trip(torch.zeros(1), "cost-model.key", 6)
-        ring = time_allreduce(group, probe, 3) if group is not None else 0.0
+        ring = _fastest(lambda: group.allreduce([probe]).wait(), 3) if group is not None else 0.0
         inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
         speed = compression_speed(inner) if inner is not None else 0.0
         mine = torch.tensor([link, ring, speed, key], dtype=torch.float64)
