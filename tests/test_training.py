@@ -72,6 +72,9 @@ def test_broadcast_makes_differently_initialised_workers_equal():
     assert len(after) == 3 and len({a[1:] for a in after}) == 1
     assert after[0][1] == before["0"]  # everyone now holds the root's weights
     assert after[0][3] == "lr=0.05 batches=1"
+    objects = re.findall(r"objects (\d) (.*)", result.stdout)
+    assert sorted(r for r, _ in objects) == ["0", "1", "2"]
+    assert {line for _, line in objects} == {"0.1 root [0, 1, 2] [0, 7, 14]"}
 
 
 def test_resumed_run_continues_from_the_same_step_with_identical_state(tmp_path):

@@ -6,14 +6,15 @@
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(opt, root_rank=0)
 """
-from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .ddp_hook import ADTopkHookState, adtopk_hook
+from .objects import allgather_object, broadcast_object
 from .optimizer import DistributedOptimizer, GradientCompression
 from .runtime import (client, init, local_rank, local_size, push_pull, push_pull_async, rank,
                       shutdown, size)
 
 __all__ = [
-    "ADTopkHookState", "DistributedOptimizer", "GradientCompression", "adtopk_hook",
+    "ADTopkHookState", "DistributedOptimizer", "GradientCompression", "adtopk_hook", "allgather_object",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "client", "init",
     "local_rank", "local_size", "push_pull", "push_pull_async", "rank", "shutdown", "size",
 ]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..client import PSClient
 from ..transport import ClusterError
-from .broadcast import broadcast_object
+from .objects import broadcast_object
 from .runtime import client
 
 TRANSPORTS = ("ps", "allreduce", "auto")

@@ -6,12 +6,12 @@ travel as float64, exact for every value below 2**53.
 """
 from __future__ import annotations
 
-import io
 from typing import Iterable, Mapping
 
 import torch
 
 from ..client import Handle
+from .objects import broadcast_object
 from .runtime import client
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -38,29 +38,6 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str
     with torch.no_grad():
         for value, handle in handles:
             value.copy_(handle.wait().to(value.dtype))
-
-
-def broadcast_object(obj: object, root_rank: int = 0, name: str = "broadcast.object") -> object:
-    """Tensors, containers and plain values (what ``torch.load(weights_only=True)`` accepts).
-
-    Bytes travel as float32 holding 16-bit integers, which sums with zeros
-    leave exact (raw float bit patterns would not survive: -0.0 + 0.0 is 0.0).
-    """
-    c = client()
-    blob = b""
-    if c.rank == root_rank:
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        blob = buf.getvalue()
-    length = int(_broadcast_tensor(torch.tensor([len(blob)], dtype=torch.float64),
-                                   f"{name}.length", root_rank).item())
-    padded = blob + b"\0" * (length % 2)
-    words = torch.frombuffer(bytearray(padded), dtype=torch.int16).to(torch.int32) & 0xFFFF \
-        if c.rank == root_rank else torch.zeros((length + 1) // 2, dtype=torch.int32)
-    # a fresh name per size: declared shapes are fixed
-    got = _broadcast_tensor(words.to(torch.float32), f"{name}.{length}", root_rank)
-    data = got.to(torch.int32).to(torch.int16).numpy().tobytes()[:length]
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0) -> None:
