@@ -218,7 +218,7 @@ def synchronize(handle: int) -> torch.Tensor:
 
 
 def _op(handle: int, pop: bool) -> _Op:
-    ops = _table(client()).ops
+    ops = _table(client(paused_ok=True)).ops  # a finished operation may be read while suspended
     op = ops.pop(handle, None) if pop else ops.get(handle)
     if op is None:
         raise ValueError(f"handle {handle!r} is not a pending operation (unknown, or "

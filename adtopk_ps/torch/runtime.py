@@ -116,8 +116,9 @@ def is_initialized() -> bool:
     return _membership.joined
 
 
-def client() -> PSClient:
-    return _membership.client()
+def client(paused_ok: bool = False) -> PSClient:
+    """The connection to the parameter servers; while suspended only with ``paused_ok``."""
+    return _membership.client(paused_ok)
 
 
 def rank() -> int:

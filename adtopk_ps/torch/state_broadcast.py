@@ -32,8 +32,10 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
                             f"not a tensor")
-    handles = [_submit(f"{prefix}.{name}", value, what=f"broadcast_parameters ({name!r})",
-                       average=False, root=root_rank, inplace=True) for name, value in items]
+    # the shape in the key: two models' state_dicts share names ("0.weight") but not shapes
+    handles = [_submit(f"{prefix}.{name}.{'x'.join(map(str, value.shape))}", value,
+                       what=f"broadcast_parameters ({name!r})", average=False, root=root_rank,
+                       inplace=True) for name, value in items]
     for handle in handles:
         synchronize(handle)
 
