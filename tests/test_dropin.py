@@ -9,6 +9,8 @@ import torch
 from procs import bpslaunch
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
+# these programs train and time steps: a loaded CI core must not pass for a lost worker
+PATIENT = {"PS_HEARTBEAT_TIMEOUT_MS": "10000"}
 
 
 def _lines(stdout, worker):
@@ -20,7 +22,7 @@ def test_byteps_scripts_run_with_the_import_changed():
     """Synthetic benchmark with fp16, MNIST-style trainer, suspend/resume and refused calls,
     two workers and two servers."""
     result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
-                       sys.executable, str(PROGRAMS / "byteps_style.py"), timeout=150)
+                       sys.executable, str(PROGRAMS / "byteps_style.py"), env=PATIENT, timeout=150)
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     w0, w1 = _lines(out, 0), _lines(out, 1)
@@ -50,7 +52,7 @@ def test_horovod_calls_run_with_the_import_changed():
     allgather with unequal first dimensions, objects, barrier, join, op=Sum optimizer,
     refused ops; three workers."""
     result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "1", "--",
-                       sys.executable, str(PROGRAMS / "horovod_style.py"), timeout=150)
+                       sys.executable, str(PROGRAMS / "horovod_style.py"), env=PATIENT, timeout=150)
     out = result.stdout
     assert result.returncode == 0, out[-4000:]
     for worker in range(3):

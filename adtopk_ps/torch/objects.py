@@ -51,7 +51,7 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None) -
     return pickle.loads(_bytes(got, length))
 
 
-def allgather_object(obj: object, name: str = "allgather.object") -> list:
+def allgather_object(obj: object, name: str | None = None) -> list:
     """Every worker's ``obj``, in rank order, on every worker (any picklable object).
 
     Example::
@@ -59,6 +59,7 @@ def allgather_object(obj: object, name: str = "allgather.object") -> list:
         found = bps.allgather_object(os.path.exists(path))   # [True, False] on each worker
     """
     c = client()
+    name = "allgather.object" + (f".{name}" if name else "")
     blob = pickle.dumps(obj)
     lengths = torch.zeros(c.size, dtype=torch.float64)
     lengths[c.rank] = len(blob)
