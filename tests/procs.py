@@ -1,11 +1,13 @@
 """Running real role processes from tests: bounded in time, cleaned up afterwards."""
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 from contextlib import contextmanager
+from pathlib import Path
 
 from adtopk_ps.cluster import ClusterConfig
 from adtopk_ps.launcher import free_port
@@ -20,6 +22,24 @@ def bpslaunch(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", *args], env=full,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
+
+
+DIGITS_CNN = str(Path(__file__).resolve().parents[1] / "configs" / "digits-cnn.yaml")
+
+
+def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240):
+    """The training job (``python -m worker``) on a local cluster, run to completion."""
+    return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
+                     "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
+                     "--config", config, *args, timeout=timeout)
+
+
+def checksums(out):
+    """``{step: {worker: digest}}`` from a ``--checksums`` run's output."""
+    by_step = {}
+    for worker, step, digest in re.findall(r"\[worker (\d+)\] checksum step (\d+): (\w+)", out):
+        by_step.setdefault(int(step), {})[int(worker)] = digest
+    return by_step
 
 
 def selfcheck(workers, servers, *args, env=None, timeout=180):
