@@ -3,8 +3,8 @@ before the first step, naming the file and the worker; a clean resume is bit-ide
 import io
 import re
 import shutil
-import time
 import zipfile
+from datetime import datetime
 
 import pytest
 import torch
@@ -90,6 +90,42 @@ def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
 
 
+def test_the_wrapped_optimizers_residuals_come_back_on_the_models_device(tmp_path, device, session):
+    """Saved from a DistributedOptimizer on ``device``: read to the CPU, loaded into a fresh one
+    on the CPU, with momentum and error-feedback residuals intact, and both take the same step."""
+    import adtopk_ps.torch as bps
+
+    def job(on):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(40, 500), nn.ReLU(), nn.Linear(500, 3)).to(on)
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                       model.named_parameters(),
+                                       compression={"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+        return model, opt
+
+    def step(model, opt, seed):
+        torch.manual_seed(seed)
+        opt.zero_grad()
+        model(torch.randn(2, 40, device=next(model.parameters()).device)).sum().backward()
+        opt.step()
+
+    model, opt = job(device)
+    step(model, opt, 1)
+    path = tmp_path / "worker0.pt"
+    checkpoint.save(path, model, opt, step=1, workers=1, rank=0, job=JOB)
+    _, state = checkpoint.read(path)
+    residuals = state["optimizer"]["adtopk_ps"]["compression"]["residuals"]
+    assert residuals["0.weight#0"].device.type == "cpu" and residuals["0.weight#0"].abs().sum() > 0
+    restored, restored_opt = job("cpu")
+    restored.load_state_dict(state["model"])
+    restored_opt.load_state_dict(state["optimizer"])
+    again = restored_opt.state_dict()["adtopk_ps"]["compression"]["residuals"]
+    assert again.keys() == residuals.keys() and all(torch.equal(again[k], residuals[k]) for k in again)
+    step(model, opt, 2)
+    step(restored, restored_opt, 2)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), restored.parameters()))
+
+
 def test_the_decision_is_resume_all_fresh_all_or_refuse():
     def found(rank, state, step=None, reason=""):
         return Finding(rank, f"/ckpt/worker{rank}.pt", state, reason, step)
@@ -142,10 +178,8 @@ def _refused(tmp_path, runs, *args, workers=2, steps=STEPS, setup=None):
     shutil.copytree(runs["at4"], directory)
     if setup is not None:
         setup(directory)
-    began = time.monotonic()
     result = train_job(workers, 1, "--steps", str(steps), "--checksums", "--checkpoint-dir",
                        str(directory), "--set", "progress=false", *args, timeout=90)
-    elapsed = time.monotonic() - began
     out = result.stdout
     assert result.returncode != 0, out[-3000:]
     assert not checksums(out), "a worker trained a step"
@@ -153,7 +187,11 @@ def _refused(tmp_path, runs, *args, workers=2, steps=STEPS, setup=None):
         assert f"[worker {rank}] worker: CheckpointError: checkpoints refused on every worker" in out, \
             out[-3000:]
     assert "Traceback" not in out, out[-3000:]
-    assert elapsed < 45, elapsed
+    # from the cluster forming to the last role's last line: start-up and refusal, no waiting
+    stamps = [(datetime.strptime(t, "%H:%M:%S,%f"), line) for t, line in
+              re.findall(r"^\[\w+(?: \d+)?\] \S+ (\d\d:\d\d:\d\d,\d+) (.*)$", out, re.M)]
+    started = next(t for t, line in stamps if "job started" in line)
+    assert (max(t for t, _ in stamps) - started).total_seconds() < 20, out[-3000:]
     return directory.resolve(), out
 
 
@@ -191,7 +229,6 @@ def test_checkpoints_of_another_cluster_shape_are_refused(tmp_path, runs):
     for rank in (0, 1):
         assert (f"worker {rank}: {d}/worker{rank}.pt is foreign: saved by worker {rank} of 2, this "
                 f"is worker {rank} of 3") in out, out[-3000:]
-    assert f"worker 2 ({d}/worker2.pt) would start fresh" in out
 
 
 def test_checkpoints_of_another_model_are_refused(tmp_path, runs):

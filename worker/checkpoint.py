@@ -133,8 +133,8 @@ def read(path: Path) -> tuple[dict, dict]:
     if stored != digest.hexdigest().encode():
         raise Damaged(f"checksum mismatch: sha256 {digest.hexdigest()[:16]}... of the content, "
                       f"{stored[:16].decode(errors='replace')}... in the header")
-    if not isinstance(meta, dict) or not {"job", "rank", "step", "workers"} <= set(meta) \
-            or declared != len(payload):
+    if not isinstance(meta, dict) or declared != len(payload) or not isinstance(meta.get("job"), dict) \
+            or not all(type(meta.get(key)) is int for key in ("rank", "step", "workers")):
         raise Damaged("malformed header")
     try:
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
@@ -182,7 +182,7 @@ def inspect(directory: str | None, rank: int, workers: int, job: dict, total: in
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-    except (RuntimeError, ValueError, KeyError, TypeError, IndexError) as exc:
+    except Exception as exc:  # any failure is this worker's finding: raised here, the others would wait
         return Finding(rank, str(path), "foreign",
                        f"does not fit this model or optimizer: {str(exc).splitlines()[0]}", step)
     return Finding(rank, str(path), "valid", "", step)
