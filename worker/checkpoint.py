@@ -161,11 +161,11 @@ def inspect(directory: str | None, rank: int, workers: int, job: dict, total: in
     if directory is None:
         return Finding(rank, "", "off", "no --checkpoint-dir")
     path = checkpoint_path(directory, rank).resolve()
-    if not path.exists():
-        return Finding(rank, str(path), "absent", "no such file")
     try:
+        if not path.exists():
+            return Finding(rank, str(path), "absent", "no such file")
         meta, state = read(path)
-    except (Damaged, OSError) as exc:
+    except (Damaged, OSError) as exc:  # OSError: a directory we may not read, say
         return Finding(rank, str(path), "damaged", str(exc))
     step = meta["step"]
     if (meta["workers"], meta["rank"]) != (workers, rank):
