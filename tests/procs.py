@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,11 +28,36 @@ def bpslaunch(*args, env=None, timeout=120):
 DIGITS_CNN = str(Path(__file__).resolve().parents[1] / "configs" / "digits-cnn.yaml")
 
 
-def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240):
-    """The training job (``python -m worker``) on a local cluster, run to completion."""
-    return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
-                     "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
-                     "--config", config, *args, timeout=timeout)
+def bpslaunch_timed(*args, env=None, timeout=120):
+    """As :func:`bpslaunch`, noting when each line of output arrived: ``.arrivals`` holds
+    (seconds since the start, line) pairs and ``.ended`` the seconds to the launcher's exit."""
+    argv = [sys.executable, "-m", "adtopk_ps.launcher", *args]
+    began = time.monotonic()
+    proc = subprocess.Popen(argv, env={**os.environ, **FAST, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        arrivals = [(time.monotonic() - began, line.rstrip("\n")) for line in proc.stdout]
+        proc.wait()
+    finally:
+        timer.cancel()
+        proc.kill()
+    ended = time.monotonic() - began
+    if ended >= timeout:
+        raise subprocess.TimeoutExpired(argv, timeout)
+    result = subprocess.CompletedProcess(argv, proc.returncode, "".join(f"{line}\n" for _, line in arrivals))
+    result.arrivals, result.ended = arrivals, ended
+    return result
+
+
+def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240, timed=False):
+    """The training job (``python -m worker``) on a local cluster, run to completion
+    (``timed``: with the arrival time of each line, see :func:`bpslaunch_timed`)."""
+    return (bpslaunch_timed if timed else bpslaunch)(
+        "--local", "--num-workers", str(workers), "--num-servers", str(servers),
+        "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
+        "--config", config, *args, timeout=timeout)
 
 
 def checksums(out):
