@@ -10,9 +10,10 @@ import torch
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.torch import GradientCompression
 from adtopk_ps.torch.agreement import compressor_label, describe, differences
-from procs import bpslaunch
+from procs import bpslaunch, cluster_env, roles
 
-PROGRAM = str(Path(__file__).resolve().parent / "programs" / "disagree.py")
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = str(ROOT / "tests" / "programs" / "disagree.py")
 WEIGHTS = "the compressor of '0.weight' and '2.weight'"
 # each case's worker 1 differs from worker 0 in one respect (programs/disagree.py); the
 # lines every worker must print, in order
@@ -108,6 +109,31 @@ def test_ddp_hook_states_that_disagree_are_refused_on_every_rank(tmp_path):
         assert p.returncode == 3, out[-3000:]
         assert f"REFUSED case=compressor rank={rank}" in out
         assert EXPECTED["compressor"][0] in out
+
+
+def test_training_jobs_started_with_different_compressors_exit_non_zero_naming_both():
+    # as two hosts would be started by hand: the same job, but --compressor differs
+    with roles(2, 1) as (config, _):
+        env = cluster_env(2, 1, config.root_port, DMLC_ROLE="worker")
+        workers = [subprocess.Popen(
+            [sys.executable, "-m", "worker", "--config", str(ROOT / "configs" / "digits-mlp.yaml"),
+             "--steps", "5", "--compressor", compressor],
+            env={**env, "DMLC_WORKER_ID": str(rank)}, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True) for rank, compressor in enumerate(("adtopk-i", "topk"))]
+        outs = []
+        try:
+            for p in workers:
+                outs.append(p.communicate(timeout=90)[0])
+        finally:
+            for p in workers:
+                p.kill()
+                p.wait()
+    for p, out in zip(workers, outs):
+        assert p.returncode == 1, out[-3000:]
+        assert "worker: Disagreement: workers disagree on the compressor of 'net.1.weight' and " \
+               "'net.3.weight': worker 0 has adtopk-i(ratio=0.01, ef=vanilla), worker 1 has " \
+               "topk(ratio=0.01, ef=vanilla)\n" in out, out[-3000:]
+        assert "Traceback" not in out
 
 
 def _model(hidden=8):

@@ -385,6 +385,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``op`` (horovod's): ``Average`` (the default) or ``Sum`` of the workers'
     gradients; ``gradient_predivide_factor`` is accepted for horovod scripts
     and changes nothing (the servers' sums do not overflow as NCCL's fp16 ones can).
+    Every worker calls it; before anything is pushed they compare what they
+    will push and, where any differs, raise :class:`.Disagreement` on every
+    worker, naming both sides (:mod:`.agreement`).
 
     Example::
 
