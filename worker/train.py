@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = train(cfg, args)
-    except (ClusterError, TimeoutError) as exc:
+    except (ClusterError, TimeoutError, bps.Disagreement) as exc:
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     if summary["rank"] == 0:

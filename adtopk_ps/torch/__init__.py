@@ -8,6 +8,7 @@
 
 docs/compatibility.md lists every byteps.torch and horovod.torch name and what differs.
 """
+from .agreement import Disagreement
 from .compression import Compression
 from .ddp_hook import ADTopkHookState, adtopk_hook
 from .objects import allgather_object, broadcast_object
@@ -22,7 +23,7 @@ from .runtime import (client, init, is_initialized, local_rank, local_size, rank
 from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [
-    "ADTopkHookState", "Adasum", "Average", "Compression", "DistributedOptimizer",
+    "ADTopkHookState", "Adasum", "Average", "Compression", "Disagreement", "DistributedOptimizer",
     "GradientCompression", "Max", "Min", "Product", "ReduceOp", "Sum", "adtopk_hook",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async",

@@ -18,9 +18,11 @@ import torch.distributed as dist
 
 from ..client import Handle
 from ..compression import Compressor, CostModel, Route, SparsificationPolicy, compression_speed
+from .agreement import agree, describe
 from .compression import EveryTensor, compressor_of, is_cast
 from .dense_lane import DenseLane, Reduction, check_transport, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
+from .objects import allgather_object
 from .ops import Average, averages
 from .trial import Trial
 from .runtime import client, size
@@ -145,6 +147,14 @@ class _Distributed:
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
         transport = self._compression.dense_transport
+        # before anything is pushed (the cost model's probes, the all-reduce rendezvous), every
+        # worker must mean to push the same things; the cost model's routes follow from these
+        self._compression.plan(self._named)
+        agree(describe(self._named, self._compression, {
+            "dense_transport": transport, "overlap": overlap,
+            "backward_passes_per_step": backward_passes_per_step,
+            "measure_costs": self._compression.measure_costs, "fusion_bytes": capacity,
+            "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
         group = worker_group() if transport == "allreduce" or transport == "auto" and \
             not client().encrypted else None
@@ -375,6 +385,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     ``op`` (horovod's): ``Average`` (the default) or ``Sum`` of the workers'
     gradients; ``gradient_predivide_factor`` is accepted for horovod scripts
     and changes nothing (the servers' sums do not overflow as NCCL's fp16 ones can).
+    Every worker calls it; before anything is pushed they compare what they
+    will push and, where any differs, raise :class:`.Disagreement` on every
+    worker, naming both sides (:mod:`.agreement`).
 
     Example::
 
