@@ -128,7 +128,7 @@ class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step: int,
-               overlap: bool | str, fusion: int | None) -> None:
+               overlap: bool | str, fusion: int | None, summed: bool = False) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if overlap not in (True, False, "auto"):
@@ -152,7 +152,7 @@ class _Distributed:
         self._compression.plan(self._named)
         agree(describe(self._named, self._compression, {
             "dense_transport": transport, "overlap": overlap,
-            "backward_passes_per_step": backward_passes_per_step,
+            "backward_passes_per_step": backward_passes_per_step, "op": "Sum" if summed else "Average",
             "measure_costs": self._compression.measure_costs, "fusion_bytes": capacity,
             "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
@@ -404,7 +404,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
-    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes)
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes, summed)
     if summed:  # the servers answer averages; the sum is size() times that
         def to_sum(opt, args, kwargs):
             for _, p in opt._named:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import warnings
 
 from ..client import PSClient
 from ..cluster import ClusterConfig
@@ -62,18 +63,23 @@ class Membership:
         self._suspended = True
 
     def resume(self, num_workers: int, num_servers: int, global_rank: int | None = None) -> None:
-        """Continue after :meth:`suspend`, with the cluster shape given."""
+        """Continue after :meth:`suspend`, with the cluster shape given.
+
+        Ranks stay as the scheduler gave them: byteps' elastic benchmark passes
+        the same ``global_rank`` on every worker, so a different one is named
+        in a warning, not refused."""
         client = self.client(paused_ok=True)
         if not self._suspended:
             raise RuntimeError("resume() without suspend()")
-        have = (client.size, len(client.servers), client.rank)
-        want = (num_workers, num_servers, client.rank if global_rank in (None, -1) else global_rank)
-        if want != have:
+        have = (client.size, len(client.servers))
+        if (num_workers, num_servers) != have:
             raise NotImplementedError(
-                f"resume({num_workers}, {num_servers}, global_rank={global_rank}): this job has "
-                f"{have[0]} workers and {have[1]} servers and this worker is rank {have[2]}; "
-                f"membership change (other workers, servers or ranks) is not supported yet, "
-                f"only resuming the same cluster")
+                f"resume({num_workers}, {num_servers}): this job has {have[0]} workers and "
+                f"{have[1]} servers; membership change (other workers or servers) is not "
+                f"supported yet, only resuming the same cluster")
+        if global_rank not in (None, -1, client.rank):
+            warnings.warn(f"resume(global_rank={global_rank}) on worker {client.rank}: ranks stay "
+                          f"as the scheduler gave them (no membership change yet)", stacklevel=3)
         client.check()
         self._suspended = False
 
