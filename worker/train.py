@@ -18,14 +18,15 @@ from tqdm import tqdm
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import SparsificationPolicy, create
+from adtopk_ps.env import EnvError
 from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError
 
 from . import config as job_config
 from .data import Dataset, load
 from .models import build
+from .validate import OPTIMIZERS
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def lr_at(step: int, total: int, base: float, schedule: dict) -> float:
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = train(cfg, args)
     except BaseException as exc:
         end_progress_lines()  # an error never shares a line with the bar
+        if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable
+            print(f"worker: {exc}", file=sys.stderr, flush=True)
+            return 2
         if not isinstance(exc, (ClusterError, TimeoutError)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
