@@ -160,7 +160,7 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
                     term_at = now
                 elif len(seen) < len(children):
                     print(f"[bpslaunch] {child.label} exited with status {child.code}; waiting up "
-                          f"to {grace:.0f} s for the others", file=sys.stderr, flush=True)
+                          f"to {grace:g} s for the others", file=sys.stderr, flush=True)
                     stop_at = now + grace
                 else:
                     print(f"[bpslaunch] {child.label} exited with status {child.code}",
