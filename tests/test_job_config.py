@@ -44,7 +44,7 @@ def test_every_shipped_config_is_valid(name):
     ("compression.ef=bad", "ef must be one of"),
     ("compression={compressor: threshold, k: 0.1, tau: -1}", "config key compression="),
     ("compression={k: 0.1}", "needs a 'compressor' key"),
-    ("compression=adtopk", "compression='adtopk': must be a mapping"),
+    ("compression=7", "compression=7: must be a mapping"),
     ("optimizer.lrr=0.1", "optimizer.lrr: unknown key; did you mean 'lr'?"),
     ("optimizer.lr=0", "optimizer.lr=0: must be a number > 0"),
     ("optimizer.lr=1e-3", "YAML reads this as a string"),
@@ -92,6 +92,7 @@ def test_good_overrides_pass():
                 "lr_schedule={name: step, every: 10, gamma: 0.5}", "compression.compressor=topk")
     assert cfg["nonfinite"] == "skip" and cfg["steps"] is None
     assert _load("compression={compressor: none}")["compression"] == {"compressor": "none"}
+    assert _load("compression=randomk")["compression"] == {"compressor": "randomk"}
 
 
 @pytest.mark.parametrize("flags, words", [

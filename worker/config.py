@@ -65,7 +65,7 @@ def load(args: argparse.Namespace) -> dict:
         raise ConfigError(f"config file {path} must hold a mapping")
     cfg = copy.deepcopy(DEFAULTS)
     cfg.update(loaded)
-    validate(cfg)  # the file alone first, so that the overrides below apply to sound values
+    _validated(cfg)  # the file alone first, so that the overrides below apply to sound values
     for key in ("steps", "epochs", "batch_size", "seed", "metrics"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
@@ -91,5 +91,11 @@ def load(args: argparse.Namespace) -> dict:
         node[leaf] = _yaml(value, f"--set {item}")
     if args.stop_after is not None and args.stop_after < 1:
         raise ConfigError(f"--stop-after={args.stop_after}: must be an integer >= 1")
+    return _validated(cfg)
+
+
+def _validated(cfg: dict) -> dict:
     validate(cfg)
+    if isinstance(cfg["compression"], str):  # a compressor's name alone: one spelling from here on
+        cfg["compression"] = {"compressor": cfg["compression"]}
     return cfg

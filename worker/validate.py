@@ -157,8 +157,8 @@ def lr_schedule(key: str, value: Any, _cfg: Mapping) -> None:
 
 def compression(key: str, value: Any, _cfg: Mapping) -> None:
     """Built once with the compressor registry, so every compressor's own checks apply."""
-    _mapping(key, value)
-    spec = value
+    spec = {"compressor": value} if isinstance(value, str) else value  # a name alone is a spec too
+    _mapping(key, spec)
     name = spec.get("compressor")
     if name is None:
         _fail(key, value, "needs a 'compressor' key")
