@@ -40,24 +40,23 @@ def _python_module(module: str) -> list[str]:
 
 
 class Child:
-    """A role process whose output is copied line by line with a prefix, and whose exit
-    is recorded with its time by a thread of its own, so no ending is missed."""
+    """A role process whose output is copied line by line with a prefix."""
 
     def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], lock: threading.Lock):
         self.label = label
         self.code: int | None = None  # the exit status, as a shell reports it
-        self.ended_at = 0.0
+        self.ended_at = 0.0  # when ``poll`` first saw it ended
         self.proc = subprocess.Popen(guarded(argv), env=dict(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._pump = threading.Thread(target=self._copy, args=(lock,), daemon=True)
         self._pump.start()
-        self._waiter = threading.Thread(target=self._wait, daemon=True)
-        self._waiter.start()
 
-    def _wait(self) -> None:
-        code = self.proc.wait()
-        self.ended_at = time.monotonic()
-        self.code = 128 - code if code < 0 else code  # killed by a signal: 128+N, as a shell says
+    def poll(self) -> int | None:
+        """The exit status once it has ended (a death by signal N is 128+N, as a shell says)."""
+        if self.code is None and (code := self.proc.poll()) is not None:
+            self.ended_at = time.monotonic()
+            self.code = 128 - code if code < 0 else code
+        return self.code
 
     def _copy(self, lock: threading.Lock) -> None:
         """Line by line, where a carriage return (a progress bar's update) also ends a line."""
@@ -80,14 +79,15 @@ class Child:
                 sys.stdout.flush()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.code is None:
+        if self.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
 
     def join(self) -> None:
-        self._waiter.join()
+        self.proc.wait()
+        self.poll()
         self._pump.join(2)
 
 
@@ -125,7 +125,8 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 
 
 def supervise(children: list[Child], grace: float, timeout: float | None) -> int:
-    """Wait for every child and return the status of the first to fail (by time of exit), or 0.
+    """Wait for every child and return the status of the first to fail, or 0. Every exit is
+    recorded, however close together they come, until the last child has ended.
 
     After the first failure the rest get ``grace`` seconds to end on their own (to report
     what they saw), unless it was a usage error (status 2): then they are stopped at once,
@@ -145,9 +146,7 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
     try:
         while len(seen) < len(children):
             now = time.monotonic()
-            ended = sorted((c for c in children if id(c) not in seen and c.code is not None),
-                           key=lambda c: c.ended_at)
-            for child in ended:
+            for child in [c for c in children if id(c) not in seen and c.poll() is not None]:
                 seen.add(id(child))
                 if child.code == 0 or term_at is not None:
                     continue  # after bpslaunch stops the job, a status is its doing
@@ -177,7 +176,7 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
                 stop_at = now
             if stop_at is not None and now >= stop_at and kill_at is None:
                 for child in children:
-                    if child.code is None:
+                    if child.poll() is None:
                         print(f"[bpslaunch] killing {child.label}", file=sys.stderr, flush=True)
                         child.kill()
                 kill_at = now
