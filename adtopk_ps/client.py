@@ -147,6 +147,7 @@ class PSClient:
         self.bytes_pushed = self.bytes_pulled = 0
         self.compress_seconds = 0.0
         self._tensors: dict[str, _Tensor] = {}
+        self._ids: dict[str, int] = {}  # tensor ids by name, given at declaration or reservation
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
         self._rounds: dict[int, int] = {}
@@ -251,6 +252,20 @@ class PSClient:
             except zmq.Again:  # a wake-up is already queued, or the engine has stopped
                 pass
 
+    def reserve(self, name: str) -> int:
+        """Give ``name`` its tensor id before its shape is known (byteps' ``declare(name)``);
+        every worker must reserve and declare in the same order."""
+        return self._ids.setdefault(name, len(self._ids))
+
+    def quiesce(self, timeout: float | None = None) -> None:
+        """Wait until every push_pull started so far has its answer (or has failed: its own
+        handle reports that)."""
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        for name, handle in list(self._last.items()):
+            if not handle._event.wait(max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"push_pull of {name!r} still in flight after {timeout:.1f} s")
+
     def declare(self, name: str, tensor: torch.Tensor) -> int:
         """Give ``name`` its tensor id now; every worker must declare in the same order.
 
@@ -264,7 +279,7 @@ class PSClient:
         meta = self._tensors.get(name)
         shape = tuple(tensor.shape)
         if meta is None:
-            tid = len(self._tensors)
+            tid = self.reserve(name)
             blocks = partition_rows(shape, tensor.element_size(), self.config.partition_bytes)
             keys = [make_key(tid, i) for i in range(len(blocks))]
             meta = self._tensors[name] = _Tensor(tid, shape, tensor.dtype, blocks, keys)

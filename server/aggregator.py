@@ -22,6 +22,7 @@ half of a server's time on ADTopk keys). For float32 the compiled
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ class KeyState:
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # allocated on first need
     clean: list[bool] = field(default_factory=lambda: [True, True])  # buffer known to be zeros
     touched: list[torch.Tensor] | None = None  # flat positions pushed, while every push is sparse
+    wire: torch.dtype | None = None  # every push of the round dense and cast to this (fp16)
 
     def start_round(self, payload: Payload, owned: bool) -> None:
         vals = payload.values
@@ -138,6 +140,14 @@ def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
                    positions.to(index_dtype(flat.numel())))
 
 
+def in_dtype(answer: Payload, wire: torch.dtype | None) -> Payload:
+    """The answer's values in the dtype every push of the round travelled in (a cast such as
+    fp16 halves the answer too); the sum itself was kept in the key's dtype."""
+    if wire is None or answer.values.dtype == wire:
+        return answer
+    return dataclasses.replace(answer, values=answer.values.to(wire))
+
+
 class Aggregator:
     """All keys of one server."""
 
@@ -167,18 +177,21 @@ class Aggregator:
             raise PushRejected(f"push for round {round} of key {key}, which is at round {state.round}")
         if sender in state.pushed:
             raise PushRejected(f"worker {sender} already pushed round {round} of key {key}")
+        cast = payload.values.dtype if payload.codec == "dense" else None
         if state.pushed:
             state.add(payload)
+            state.wire = state.wire if cast == state.wire else None
         else:
             state.start_round(payload, owned)
             state.union_bound = 0
+            state.wire = cast if cast != state.dtype else None
         state.union_bound += payload.count
         state.pushed.add(sender)
         if len(state.pushed) < self.num_workers:
             return None
         state.pushed.clear()
         state.round += 1
-        return self._answer(key, state, round)
+        return in_dtype(self._answer(key, state, round), state.wire)
 
     def check_sender(self, sender: int) -> None:
         if not 0 <= sender < self.num_workers:

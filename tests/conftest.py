@@ -20,6 +20,6 @@ def device(request):
 def session():
     """adtopk_ps.torch initialised in this process against a real scheduler and server."""
     with roles(1, 1) as (config, _):
-        bps.init(config)
+        bps.init(config=config)
         yield
         bps.shutdown()

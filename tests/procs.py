@@ -1,11 +1,14 @@
 """Running real role processes from tests: bounded in time, cleaned up afterwards."""
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from adtopk_ps.cluster import ClusterConfig
 from adtopk_ps.launcher import free_port
@@ -20,6 +23,49 @@ def bpslaunch(*args, env=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", *args], env=full,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
+
+
+DIGITS_CNN = str(Path(__file__).resolve().parents[1] / "configs" / "digits-cnn.yaml")
+
+
+def bpslaunch_timed(*args, env=None, timeout=120):
+    """As :func:`bpslaunch`, noting when each line of output arrived: ``.arrivals`` holds
+    (seconds since the start, line) pairs and ``.ended`` the seconds to the launcher's exit."""
+    argv = [sys.executable, "-m", "adtopk_ps.launcher", *args]
+    began = time.monotonic()
+    proc = subprocess.Popen(argv, env={**os.environ, **FAST, **(env or {})}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(timeout, proc.kill)
+    timer.start()
+    try:
+        arrivals = [(time.monotonic() - began, line.rstrip("\n")) for line in proc.stdout]
+        proc.wait()
+    finally:
+        timer.cancel()
+        proc.kill()
+    ended = time.monotonic() - began
+    if ended >= timeout:
+        raise subprocess.TimeoutExpired(argv, timeout)
+    result = subprocess.CompletedProcess(argv, proc.returncode, "".join(f"{line}\n" for _, line in arrivals))
+    result.arrivals, result.ended = arrivals, ended
+    return result
+
+
+def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240, timed=False):
+    """The training job (``python -m worker``) on a local cluster, run to completion
+    (``timed``: with the arrival time of each line, see :func:`bpslaunch_timed`)."""
+    return (bpslaunch_timed if timed else bpslaunch)(
+        "--local", "--num-workers", str(workers), "--num-servers", str(servers),
+        "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
+        "--config", config, *args, timeout=timeout)
+
+
+def checksums(out):
+    """``{step: {worker: digest}}`` from a ``--checksums`` run's output."""
+    by_step = {}
+    for worker, step, digest in re.findall(r"\[worker (\d+)\] checksum step (\d+): (\w+)", out):
+        by_step.setdefault(int(step), {})[int(worker)] = digest
+    return by_step
 
 
 def selfcheck(workers, servers, *args, env=None, timeout=180):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import CostModel
-from adtopk_ps.torch.allreduce import DenseLane
+from adtopk_ps.torch.dense_lane import DenseLane
 from procs import FAST, bpslaunch
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "hybrid_check.py"

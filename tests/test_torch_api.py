@@ -13,8 +13,8 @@ def _model():
 def test_identity_and_push_pull(session):
     assert (bps.rank(), bps.size(), bps.local_rank(), bps.local_size()) == (0, 1, 0, 1)
     x = torch.arange(6.0)
-    assert torch.equal(bps.push_pull(x, "x"), x)
-    assert torch.equal(bps.push_pull_async(x * 2, "x", average=False).wait(10), x * 2)
+    assert torch.equal(bps.push_pull(x, name="x"), x)
+    assert torch.equal(bps.synchronize(bps.push_pull_async(x * 2, average=False, name="x")), x * 2)
 
 
 def test_gradient_accumulation_pushes_once_per_step(session):

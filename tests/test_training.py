@@ -5,23 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+from procs import DIGITS_CNN as CONFIG
 from procs import bpslaunch
+from procs import checksums as _checksums
+from procs import train_job as _train
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "digits-cnn.yaml")
-
-
-def _train(workers, servers, *args, timeout=240):
-    return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
-                     "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
-                     "--config", CONFIG, *args, timeout=timeout)
-
-
-def _checksums(out):
-    by_step = {}
-    for worker, step, digest in re.findall(r"\[worker (\d+)\] checksum step (\d+): (\w+)", out):
-        by_step.setdefault(int(step), {})[int(worker)] = digest
-    return by_step
 
 
 def test_2x2_learns_and_keeps_every_replica_identical(tmp_path):

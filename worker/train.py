@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from adtopk_ps.env import EnvError
 from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError
 
+from . import checkpoint
 from . import config as job_config
 from .data import Dataset, load
 from .models import build
@@ -81,17 +81,6 @@ def checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def checkpoint_path(directory: str, rank: int) -> Path:
-    return Path(directory) / f"worker{rank}.pt"
-
-
-def save_checkpoint(path: Path, model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, tmp)
-    os.replace(tmp, path)  # a crash mid-save never leaves a torn checkpoint
-
-
 def train(cfg: dict, args) -> dict:
     torch.manual_seed(cfg["seed"])
     bps.init()
@@ -100,18 +89,14 @@ def train(cfg: dict, args) -> dict:
     model = build(cfg["model"], cfg["model_args"])
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
                                    make_compression(cfg))
-    start = 0
-    ckpt = checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
-    if ckpt is not None and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        start = saved["step"]
-    else:
-        bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        bps.broadcast_optimizer_state(opt, root_rank=0)
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
+    start = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
+    if start is None:
+        start = 0
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        bps.broadcast_optimizer_state(opt, root_rank=0)
+    ckpt = checkpoint.checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
     base_lr = cfg["optimizer"].get("lr", 0.01)
     log = open(cfg["metrics"], "a") if cfg["metrics"] and rank == 0 else None
     client = bps.client()
@@ -144,7 +129,8 @@ def train(cfg: dict, args) -> dict:
             log.write(json.dumps(record) + "\n")
             log.flush()
         if ckpt is not None and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
-            save_checkpoint(ckpt, model, opt, step + 1)
+            checkpoint.save(ckpt, model, opt, step=step + 1, workers=size, rank=rank,
+                            job=checkpoint.job_identity(cfg))
     bar.close()
     wall = time.perf_counter() - began
     accuracy, test_loss = evaluate(model, data)
@@ -181,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable
             print(f"worker: {exc}", file=sys.stderr, flush=True)
             return 2
-        if not isinstance(exc, (ClusterError, TimeoutError)):
+        if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -1,20 +1,34 @@
-"""byteps.torch-style API: ``import adtopk_ps.torch as bps``.
+"""byteps.torch- and horovod.torch-style API: ``import adtopk_ps.torch as bps`` (or ``as hvd``).
 
     bps.init()
     opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                   compression={"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+                                   compression=bps.Compression.adtopk(ratio=0.01))
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(opt, root_rank=0)
+
+docs/compatibility.md lists every byteps.torch and horovod.torch name and what differs.
 """
-from .broadcast import broadcast_optimizer_state, broadcast_parameters
+from .agreement import Disagreement
+from .compression import Compression
 from .ddp_hook import ADTopkHookState, adtopk_hook
 from .objects import allgather_object, broadcast_object
+from .ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async,
+                  allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast,
+                  broadcast_, broadcast_async, broadcast_async_, byteps_push_pull, declare, join,
+                  poll, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace,
+                  synchronize)
 from .optimizer import DistributedOptimizer, GradientCompression
-from .runtime import (client, init, local_rank, local_size, push_pull, push_pull_async, rank,
-                      shutdown, size)
+from .runtime import (client, init, is_initialized, local_rank, local_size, rank, resume, shutdown,
+                      size, suspend)
+from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [
-    "ADTopkHookState", "DistributedOptimizer", "GradientCompression", "adtopk_hook", "allgather_object",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "client", "init",
-    "local_rank", "local_size", "push_pull", "push_pull_async", "rank", "shutdown", "size",
+    "ADTopkHookState", "Adasum", "Average", "Compression", "Disagreement", "DistributedOptimizer",
+    "GradientCompression", "Max", "Min", "Product", "ReduceOp", "Sum", "adtopk_hook",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
+    "byteps_push_pull", "client", "declare", "init", "is_initialized", "join", "local_rank",
+    "local_size", "poll", "push_pull", "push_pull_async", "push_pull_async_inplace",
+    "push_pull_inplace", "rank", "resume", "shutdown", "size", "suspend", "synchronize",
 ]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import Compressor, Payload
+from .agreement import agree, describe
 from .optimizer import GradientCompression
 
 _ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret cleanly
@@ -28,13 +29,23 @@ _ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret 
 class ADTopkHookState:
     def __init__(self, model: torch.nn.Module, compression: Compressor | str | Mapping | GradientCompression,
                  process_group: dist.ProcessGroup | None = None):
+        """Every rank of ``process_group`` must build its state: they compare what they will
+        send and raise :class:`.Disagreement` alike where any differs."""
         self.compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.compression.plan(named)
+        group = process_group if process_group is not None else dist.group.WORLD
+        agree(describe(named, self.compression, {}), lambda obj, _name: _all_gather(obj, group))
         self.names = {id(p): n for n, p in named}
         self.process_group = process_group
         self.steps: dict[str, int] = {}
+
+
+def _all_gather(obj: object, group: dist.ProcessGroup) -> list:
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
 def _pad(n: int) -> int:

@@ -32,14 +32,18 @@ def _sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return client().push_pull(tensor, name, average=False).wait()
 
 
-def broadcast_object(obj: object, root_rank: int = 0, name: str = "broadcast.object") -> object:
-    """The root's ``obj`` on every worker (any picklable object; the root is trusted).
+def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None) -> object:
+    """The root's ``obj`` on every worker (any picklable object). As in byteps and horovod,
+    the root is trusted: the others unpickle what it sends.
 
     Example::
 
         args = bps.broadcast_object(args, root_rank=0)   # an argparse.Namespace, say
     """
     c = client()
+    if not 0 <= root_rank < c.size:
+        raise ValueError(f"root_rank {root_rank} is not a worker rank (0..{c.size - 1})")
+    name = "broadcast.object" + (f".{name}" if name else "")
     blob = pickle.dumps(obj) if c.rank == root_rank else b""
     length = int(_sum(torch.tensor([float(len(blob))], dtype=torch.float64), f"{name}.length").item())
     # a fresh name per size: a name's shape is fixed once declared
@@ -47,7 +51,7 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str = "broadcast.obj
     return pickle.loads(_bytes(got, length))
 
 
-def allgather_object(obj: object, name: str = "allgather.object") -> list:
+def allgather_object(obj: object, name: str | None = None) -> list:
     """Every worker's ``obj``, in rank order, on every worker (any picklable object).
 
     Example::
@@ -55,6 +59,7 @@ def allgather_object(obj: object, name: str = "allgather.object") -> list:
         found = bps.allgather_object(os.path.exists(path))   # [True, False] on each worker
     """
     c = client()
+    name = "allgather.object" + (f".{name}" if name else "")
     blob = pickle.dumps(obj)
     lengths = torch.zeros(c.size, dtype=torch.float64)
     lengths[c.rank] = len(blob)

@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 
 from ..client import Handle
-from ..compression import (Compressor, CostModel, Route, SparsificationPolicy, compression_speed,
-                           create)
-from .allreduce import DenseLane, Reduction, check_transport, worker_group
+from ..compression import Compressor, CostModel, Route, SparsificationPolicy, compression_speed
+from .agreement import agree, describe
+from .compression import EveryTensor, compressor_of, is_cast
+from .dense_lane import DenseLane, Reduction, check_transport, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
+from .objects import allgather_object
+from .ops import Average, averages
 from .trial import Trial
-from .runtime import client
+from .runtime import client, size
 
 
 def _fastest(call: Callable[[], object], repeats: int) -> float:
@@ -49,16 +52,13 @@ class GradientCompression:
         """``measure_costs``: time the link and the compressor when the optimizer starts, and
         send dense every tensor for which sparsifying would not pay (:class:`CostModel`).
         ``dense_transport``: how tensors sent dense travel: through the servers (``"ps"``),
-        all-reduced among the workers (``"allreduce"``, :mod:`.allreduce`), or whichever of the
+        all-reduced among the workers (``"allreduce"``, :mod:`.dense_lane`), or whichever of the
         two measures faster when the optimizer starts (``"auto"``)."""
-        if compression is None or compression == "none":
-            self.compressor = None
-        elif isinstance(compression, Compressor):
-            self.compressor = compression
-        else:
-            self.compressor = create(compression)
+        self.compressor = compressor_of(compression)
         ratio = self.compressor.ratio if self.compressor is not None else 1.0
-        self.policy = policy or SparsificationPolicy(ratio)
+        # a cast (Compression.fp16) goes to every tensor; a sparsifier where it pays
+        self.policy = policy or (EveryTensor(ratio) if is_cast(self.compressor)
+                                 else SparsificationPolicy(ratio))
         self.measure_costs = measure_costs and self.compressor is not None
         self.dense_transport = check_transport(dense_transport)
         self.allreduce = dense_transport == "allreduce"  # "auto" decides in calibrate()
@@ -147,6 +147,14 @@ class _Distributed:
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
         transport = self._compression.dense_transport
+        # before anything is pushed (the cost model's probes, the all-reduce rendezvous), every
+        # worker must mean to push the same things; the cost model's routes follow from these
+        self._compression.plan(self._named)
+        agree(describe(self._named, self._compression, {
+            "dense_transport": transport, "overlap": overlap,
+            "backward_passes_per_step": backward_passes_per_step,
+            "measure_costs": self._compression.measure_costs, "fusion_bytes": capacity,
+            "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
         group = worker_group() if transport == "allreduce" or transport == "auto" and \
             not client().encrypted else None
@@ -203,6 +211,16 @@ class _Distributed:
         for bucket in buckets if lane is None else ():
             c.declare(bucket.name, bucket.buffer)
         return buckets, bucket_of, lane
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """How many backward passes accumulate into one step from now on (horovod's; between
+        steps only)."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")
+        if self._handles or self._bucket_handles or self._passes:
+            raise RuntimeError("set_backward_passes_per_step() in the middle of a step; call "
+                               "step() first")
+        self._passes_per_step = passes
 
     def set_overlap(self, overlap: bool) -> None:
         """Push each gradient as backward produces it (True), or all of them in ``step()``;
@@ -347,6 +365,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                          compression: Compressor | str | Mapping | GradientCompression | None = None,
                          backward_passes_per_step: int = 1,
+                         op: object = Average, gradient_predivide_factor: float = 1.0, *,
                          overlap: bool | str = "auto",
                          fusion_bytes: int | None = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
@@ -363,9 +382,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     model the same trial also times every tensor dense.
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
+    ``op`` (horovod's): ``Average`` (the default) or ``Sum`` of the workers'
+    gradients; ``gradient_predivide_factor`` is accepted for horovod scripts
+    and changes nothing (the servers' sums do not overflow as NCCL's fp16 ones can).
+    Every worker calls it; before anything is pushed they compare what they
+    will push and, where any differs, raise :class:`.Disagreement` on every
+    worker, naming both sides (:mod:`.agreement`).
+
+    Example::
+
+        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=bps.Compression.adtopk(ratio=0.01))
     """
+    summed = not averages(op)
+    if isinstance(gradient_predivide_factor, bool) or \
+            not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, "
+                         f"got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and summed:
+        raise ValueError("gradient_predivide_factor applies to op=Average only, as in horovod")
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes)
+    if summed:  # the servers answer averages; the sum is size() times that
+        def to_sum(opt, args, kwargs):
+            for _, p in opt._named:
+                if p.grad is not None:
+                    p.grad.mul_(size())
+        wrapped.register_step_pre_hook(to_sum)
     return wrapped

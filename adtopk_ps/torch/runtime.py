@@ -1,47 +1,132 @@
-"""The process-wide connection to the parameter server."""
+"""The process-wide connection to the parameter server, and this worker's membership of the job.
+
+:class:`Membership` is the one owner of who is in the job: it joins
+(``init``), leaves (``shutdown``), and pauses and continues for byteps'
+elastic entry points (``suspend``/``resume``). Today the job's shape is
+fixed: ``resume`` continues with the same workers and servers and refuses
+any other shape; a real membership change replaces :meth:`Membership.resume`'s
+refusal (new address book, re-declared keys, re-ranked workers) without
+touching the callers.
+"""
 from __future__ import annotations
 
 import atexit
 import os
+import threading
 
-import torch
-
-from ..client import Handle, PSClient
+from ..client import PSClient
 from ..cluster import ClusterConfig
-from ..compression import Compressor
 from ..env import env_int
 
-_client: PSClient | None = None
+
+class Membership:
+    """This worker's place in the job: the client, and whether it is paused."""
+
+    def __init__(self) -> None:
+        self._client: PSClient | None = None
+        self._suspended = False
+        self._lock = threading.Lock()
+
+    @property
+    def joined(self) -> bool:
+        return self._client is not None
+
+    def join(self, config: ClusterConfig | None) -> None:
+        with self._lock:
+            if self._client is None:
+                self._client = PSClient(config)
+                self._suspended = False
+                atexit.register(self.leave)
+
+    def leave(self) -> None:
+        with self._lock:
+            client, self._client, self._suspended = self._client, None, False
+        if client is not None:
+            client.shutdown()
+
+    def client(self, paused_ok: bool = False) -> PSClient:
+        """The connection; refused before ``init()`` and, unless ``paused_ok``, while suspended."""
+        client = self._client
+        if client is None:
+            raise RuntimeError("adtopk_ps.torch.init() has not been called")
+        if self._suspended and not paused_ok:
+            raise RuntimeError("adtopk_ps.torch is suspended; call resume() first")
+        return client
+
+    def suspend(self) -> None:
+        """Let every push_pull in flight finish, then refuse new ones; the connection (and its
+        heartbeats) stays up."""
+        client = self.client()
+        client.quiesce()
+        client.check()
+        self._suspended = True
+
+    def resume(self, num_workers: int, num_servers: int, global_rank: int | None = None) -> None:
+        """Continue after :meth:`suspend`, with the cluster shape given."""
+        client = self.client(paused_ok=True)
+        if not self._suspended:
+            raise RuntimeError("resume() without suspend()")
+        have = (client.size, len(client.servers), client.rank)
+        want = (num_workers, num_servers, client.rank if global_rank in (None, -1) else global_rank)
+        if want != have:
+            raise NotImplementedError(
+                f"resume({num_workers}, {num_servers}, global_rank={global_rank}): this job has "
+                f"{have[0]} workers and {have[1]} servers and this worker is rank {have[2]}; "
+                f"membership change (other workers, servers or ranks) is not supported yet, "
+                f"only resuming the same cluster")
+        client.check()
+        self._suspended = False
 
 
-def init(config: ClusterConfig | None = None) -> None:
-    """Join the cluster described by the DMLC environment (once per process)."""
-    global _client
-    if _client is None:
-        _client = PSClient(config)
-        atexit.register(shutdown)
+_membership = Membership()
+
+
+def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:
+    """Join the cluster described by the DMLC environment (once per process).
+
+    ``lazy`` is byteps' and changes nothing here: the connection is made now.
+    """
+    _membership.join(config)
 
 
 def shutdown() -> None:
     """Leave the cluster; the job ends once every worker has."""
-    global _client
-    if _client is not None:
-        _client.shutdown()
-        _client = None
+    _membership.leave()
 
 
-def client() -> PSClient:
-    if _client is None:
-        raise RuntimeError("adtopk_ps.torch.init() has not been called")
-    return _client
+def suspend() -> None:
+    """byteps' elastic pause: waits for what is in flight; push_pulls are refused until resume()."""
+    _membership.suspend()
+
+
+def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
+           context: object = None) -> None:
+    """byteps' elastic restart after :func:`suspend`. The same cluster continues; another shape
+    (a membership change) is refused with NotImplementedError. ``context`` is byteps' and unused.
+
+    Example::
+
+        bps.suspend()
+        bps.resume(bps.size(), num_servers=2)
+    """
+    _membership.resume(num_workers, num_servers, global_rank)
+
+
+def is_initialized() -> bool:
+    return _membership.joined
+
+
+def client(paused_ok: bool = False) -> PSClient:
+    """The connection to the parameter servers; while suspended only with ``paused_ok``."""
+    return _membership.client(paused_ok)
 
 
 def rank() -> int:
-    return client().rank
+    return _membership.client(paused_ok=True).rank
 
 
 def size() -> int:
-    return client().size
+    return _membership.client(paused_ok=True).size
 
 
 def local_rank() -> int:
@@ -50,14 +135,3 @@ def local_rank() -> int:
 
 def local_size() -> int:
     return env_int("BYTEPS_LOCAL_SIZE", 1, minimum=1, environ=os.environ)
-
-
-def push_pull_async(tensor: torch.Tensor, name: str, average: bool = True,
-                    compressor: Compressor | None = None) -> Handle:
-    return client().push_pull(tensor, name, compressor, average)
-
-
-def push_pull(tensor: torch.Tensor, name: str, average: bool = True,
-              compressor: Compressor | None = None) -> torch.Tensor:
-    """Sum (or average) ``tensor`` over every worker and return the result."""
-    return push_pull_async(tensor, name, average, compressor).wait()

@@ -1,0 +1,53 @@
+"""Making every worker start from the root's parameters and optimizer state.
+
+A broadcast is a push_pull in which only the root contributes: the others
+push zeros, so the sum is the root's value (see :mod:`.ops`; integer and
+boolean tensors travel as float64, exact for every value below 2**53).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from .objects import broadcast_object
+from .ops import _submit, synchronize
+from .runtime import rank
+
+
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int = 0,
+                         prefix: str = "broadcast") -> None:
+    """Overwrite ``params`` in place with the root's: a state_dict, named pairs
+    (``named_parameters()``) or a bare list of tensors (``parameters()``, named by position).
+
+    Example::
+
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, Mapping):
+        items = sorted(params.items(), key=lambda kv: kv[0])
+    else:
+        items = [p if isinstance(p, tuple) else (str(i), p) for i, p in enumerate(params)]
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
+                            f"not a tensor")
+    # the shape in the key: two models' state_dicts share names ("0.weight") but not shapes
+    handles = [_submit(f"{prefix}.{name}.{'x'.join(map(str, value.shape))}", value,
+                       what=f"broadcast_parameters ({name!r})", average=False, root=root_rank,
+                       inplace=True) for name, value in items]
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              prefix: str = "broadcast") -> None:
+    """Load the root's optimizer state (buffers, step counts, hyper-parameters) everywhere.
+
+    Example::
+
+        bps.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    state = broadcast_object(optimizer.state_dict(), root_rank, f"{prefix}.optimizer")
+    if rank() != root_rank:
+        optimizer.load_state_dict(state)
