@@ -6,8 +6,14 @@
     bpslaunch keygen DIR                               # a CURVE key pair for PS_CURVE_KEYS
 
 With ``--local`` it starts a scheduler, the servers and the workers on free
-ports, prefixes each line of their output with the role, and exits with the
-status of the first process that failed (0 when every one succeeded).
+ports and prefixes each line of their output with the role. Server ``i`` gets
+``PS_SERVER_ID=i``, which it asks the scheduler for as its rank, so the prefix
+names the same server as its own messages do.
+
+Every mode exits with the status of the first process that failed (a death by
+signal N as 128+N, as a shell reports it), 0 when every one succeeded. A usage
+or configuration error (status 2) stops the others at once; SIGINT or SIGTERM
+stops every role (SIGTERM, then SIGKILL) and exits 130 or 143.
 """
 from __future__ import annotations
 
@@ -38,10 +44,19 @@ class Child:
 
     def __init__(self, label: str, argv: Sequence[str], env: Mapping[str, str], lock: threading.Lock):
         self.label = label
+        self.code: int | None = None  # the exit status, as a shell reports it
+        self.ended_at = 0.0  # when ``poll`` first saw it ended
         self.proc = subprocess.Popen(guarded(argv), env=dict(env), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self._pump = threading.Thread(target=self._copy, args=(lock,), daemon=True)
         self._pump.start()
+
+    def poll(self) -> int | None:
+        """The exit status once it has ended (a death by signal N is 128+N, as a shell says)."""
+        if self.code is None and (code := self.proc.poll()) is not None:
+            self.ended_at = time.monotonic()
+            self.code = 128 - code if code < 0 else code
+        return self.code
 
     def _copy(self, lock: threading.Lock) -> None:
         """Line by line, where a carriage return (a progress bar's update) also ends a line."""
@@ -63,14 +78,8 @@ class Child:
                 sys.stdout.write(text)
                 sys.stdout.flush()
 
-    def status(self) -> int | None:
-        code = self.proc.poll()
-        if code is not None and code < 0:
-            return 128 - code  # killed by a signal, as a shell reports it
-        return code
-
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
+        if self.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
@@ -78,6 +87,7 @@ class Child:
 
     def join(self) -> None:
         self.proc.wait()
+        self.poll()
         self._pump.join(2)
 
 
@@ -101,7 +111,8 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     lock = threading.Lock()
     children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),
                       {**base, "DMLC_ROLE": "scheduler"}, lock)]
-    children += [Child(f"server {i}", _python_module("server"), {**base, "DMLC_ROLE": "server"}, lock)
+    children += [Child(f"server {i}", _python_module("server"),
+                       {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
     children += [Child(f"worker {i}", command,
                        {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}, lock)
@@ -109,47 +120,83 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     return supervise(children, grace, timeout)
 
 
+USAGE_ERROR = 2  # what our roles and the training job exit with on a usage or config error
+STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its children
+
+
 def supervise(children: list[Child], grace: float, timeout: float | None) -> int:
-    """Wait for every child; after the first failure, give the rest ``grace`` seconds."""
-    first_failure: tuple[str, int] | None = None
+    """Wait for every child and return the status of the first to fail, or 0. Every exit is
+    recorded, however close together they come, until the last child has ended.
+
+    After the first failure the rest get ``grace`` seconds to end on their own (to report
+    what they saw), unless it was a usage error (status 2): then they are stopped at once,
+    as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
+    then SIGKILL after ``STOP_GRACE`` seconds.
+    """
     deadline = None if timeout is None else time.monotonic() + timeout
-    stop_at = None
+    seen: set[int] = set()
+    failures: list[tuple[float, int]] = []  # (time of exit, status)
+    stop_at = term_at = kill_at = None
+    interrupted: list[int] = []
 
-    def forward(signum, _frame):
-        for child in children:
-            child.kill(signum)
+    def interrupt(signum, _frame):
+        interrupted.append(signum)
 
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while any(c.status() is None for c in children):
+        while len(seen) < len(children):
             now = time.monotonic()
-            for child in children:
-                code = child.status()
-                if code and first_failure is None:
-                    first_failure = (child.label, code)
+            for child in [c for c in children if id(c) not in seen and c.poll() is not None]:
+                seen.add(id(child))
+                if child.code == 0 or term_at is not None:
+                    continue  # after bpslaunch stops the job, a status is its doing
+                failures.append((child.ended_at, child.code))
+                if len(failures) > 1:
+                    continue
+                if child.code == USAGE_ERROR:
+                    print(f"[bpslaunch] {child.label} exited with status 2 (a usage or "
+                          f"configuration error); stopping the others", file=sys.stderr, flush=True)
+                    term_at = now
+                elif len(seen) < len(children):
+                    print(f"[bpslaunch] {child.label} exited with status {child.code}; waiting up "
+                          f"to {grace:g} s for the others", file=sys.stderr, flush=True)
                     stop_at = now + grace
-                    print(f"[bpslaunch] {child.label} exited with status {code}; waiting up to "
-                          f"{grace:.0f} s for the others", file=sys.stderr, flush=True)
-            if deadline is not None and now > deadline and first_failure is None:
-                first_failure = ("bpslaunch", 124)
+                else:
+                    print(f"[bpslaunch] {child.label} exited with status {child.code}",
+                          file=sys.stderr, flush=True)
+            if interrupted and term_at is None:
+                name = signal.Signals(interrupted[0]).name
+                print(f"[bpslaunch] interrupted by {name}; stopping every role",
+                      file=sys.stderr, flush=True)
+                term_at = now
+            if deadline is not None and now > deadline and not failures and term_at is None:
+                failures.append((now, 124))
                 print(f"[bpslaunch] the job ran past its {timeout:.0f} s timeout; stopping it",
                       file=sys.stderr, flush=True)
                 stop_at = now
-            if stop_at is not None and now >= stop_at:
+            if stop_at is not None and now >= stop_at and kill_at is None:
                 for child in children:
-                    if child.status() is None:
+                    if child.poll() is None:
                         print(f"[bpslaunch] killing {child.label}", file=sys.stderr, flush=True)
                         child.kill()
-            time.sleep(0.05)
+                kill_at = now
+            if term_at is not None and kill_at is None:
+                for child in children:
+                    child.kill(signal.SIGTERM)
+                kill_at = now + STOP_GRACE
+            if kill_at is not None and now >= kill_at:
+                for child in children:
+                    child.kill()
+            time.sleep(0.02)
     finally:
         for child in children:
             child.kill()
             child.join()
         for s, handler in old.items():
             signal.signal(s, handler)
-    if first_failure is None:
-        return 0
-    return first_failure[1]
+    if interrupted:
+        return 128 + interrupted[0]
+    return min(failures)[1] if failures else 0
 
 
 def local_size(environ: Mapping[str, str]) -> int:
@@ -170,7 +217,8 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
         from .scheduler import main as scheduler_main
         return scheduler_main()
     if config.role == "server":
-        return subprocess.call(guarded(_python_module("server")), env=env)
+        server = Child("server", _python_module("server"), env, threading.Lock())
+        return supervise([server], config.heartbeat_timeout + 5, None)
     if not command:
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)

@@ -21,6 +21,7 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig
 from .env import EnvError
+from .stop import stop_quietly_on_signals
 from .transport import make_socket, register_timeout, send
 
 log = logging.getLogger("adtopk_ps.scheduler")
@@ -117,6 +118,8 @@ class Scheduler:
         role = msg.extra.get("role")
         host, port = msg.extra.get("host"), msg.extra.get("port")
         wid = msg.extra.get("worker_id", -1)
+        if role == "server":
+            wid = msg.extra.get("server_id", -1)  # PS_SERVER_ID: the rank it asks for
         problem = None
         if self.started:
             problem = "the job has already started"
@@ -133,6 +136,11 @@ class Scheduler:
         elif role == "worker" and wid >= 0 and any(
                 n.role == "worker" and n.rank == wid for n in self.nodes.values()):
             problem = f"DMLC_WORKER_ID={wid} is taken by another worker"
+        elif role == "server" and wid >= cfg.num_servers:
+            problem = f"PS_SERVER_ID={wid} is not below DMLC_NUM_SERVER={cfg.num_servers}"
+        elif role == "server" and wid >= 0 and any(
+                n.role == "server" and n.rank == wid for n in self.nodes.values()):
+            problem = f"PS_SERVER_ID={wid} is taken by another server"
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, "error", message=problem)
@@ -145,14 +153,13 @@ class Scheduler:
             self._start()
 
     def _start(self) -> None:
-        servers = [n for n in self.nodes.values() if n.role == "server"]
-        for rank, node in enumerate(servers):
-            node.rank = rank
-        taken = {n.rank for n in self.nodes.values() if n.role == "worker" and n.rank >= 0}
-        free = iter(r for r in range(self.config.num_workers) if r not in taken)
-        for node in self.nodes.values():
-            if node.role == "worker" and node.rank < 0:
-                node.rank = next(free)
+        for role, count in (("server", self.config.num_servers), ("worker", self.config.num_workers)):
+            taken = {n.rank for n in self.nodes.values() if n.role == role and n.rank >= 0}
+            free = iter(r for r in range(count) if r not in taken)
+            for node in self.nodes.values():
+                if node.role == role and node.rank < 0:
+                    node.rank = next(free)
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
         book = [n.address for n in servers]
         for node in self.nodes.values():
             self._reply(node.identity, "addressbook", rank=node.rank, servers=book,
@@ -212,6 +219,7 @@ class Scheduler:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop_quietly_on_signals("scheduler")
     try:
         scheduler = Scheduler(ClusterConfig.from_env(role="scheduler"))
     except EnvError as exc:

@@ -79,12 +79,19 @@ class SchedulerLink:
         self.shutdown = False
         self.barrier_done = 0
         self._last_heard = self._last_sent = time.monotonic()
+        self._server_id = {"server_id": env_int("PS_SERVER_ID", minimum=0)} \
+            if config.role == "server" and os.environ.get("PS_SERVER_ID", "").strip() else {}
 
     def register(self, data_port: int = 0) -> dict:
-        """Announce this node and wait for the address book (bounded by the registration timeout)."""
+        """Announce this node and wait for the address book (bounded by the registration timeout).
+
+        A server sends ``PS_SERVER_ID`` (set by ``bpslaunch --local``) when it is set: the rank
+        it asks for, so that its launcher's label and its rank name the same server.
+        """
         cfg = self.config
         wid = -1 if cfg.worker_id is None else cfg.worker_id
-        self._send("register", role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port)
+        self._send("register", role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
+                   **self._server_id)
         deadline = time.monotonic() + register_timeout()
         while not self.book:
             if time.monotonic() > deadline:

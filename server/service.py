@@ -19,6 +19,7 @@ from adtopk_ps import wire
 from adtopk_ps.cluster import ClusterConfig
 from adtopk_ps.compression import Compressor, create
 from adtopk_ps.env import env_int
+from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket, send
 
 from .aggregator import Aggregator, PushRejected
@@ -151,6 +152,7 @@ class Server:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop_quietly_on_signals("server")
     try:
         config = ClusterConfig.from_env(role="server")
         limits = ServerLimits.from_env()

@@ -1,11 +1,16 @@
 """bpslaunch: the environment contract's errors, and role mode on a hand-made cluster."""
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
-from adtopk_ps.launcher import free_port
+from adtopk_ps.launcher import Child, free_port, supervise
 
 from procs import FAST, bpslaunch
 
@@ -92,7 +97,6 @@ def _alive(pid):
 def test_a_launcher_killed_with_sigkill_takes_its_role_process_along():
     """A server still waiting for its address book (no scheduler is listening) would wait
     out its registration timeout; with its launcher gone it ends within seconds."""
-    import time
     env = {**{k: v for k, v in os.environ.items() if k not in CONTRACT}, **WORKER,
            "DMLC_ROLE": "server", "DMLC_PS_ROOT_PORT": str(free_port()), "PS_REGISTER_TIMEOUT_S": "600"}
     launcher = subprocess.Popen([sys.executable, "-m", "adtopk_ps.launcher"], env=env,
@@ -119,3 +123,193 @@ def test_the_guard_refuses_a_parent_that_is_already_gone():
     result = subprocess.run([sys.executable, "-m", "adtopk_ps.deathsig", "1", "true"],
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1 and "parent 1 is gone" in result.stderr
+
+
+# -- exit status: every mode returns the first failure's status ------------------------------
+
+EXIT_MODES = [  # (python -c program, the status bpslaunch must return)
+    ("pass", 0),
+    ("import sys; sys.exit(1)", 1),
+    ("import sys; sys.exit(3)", 3),
+    ("raise RuntimeError('boom')", 1),
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", 137),
+]
+
+
+@pytest.mark.parametrize("program, status", EXIT_MODES)
+def test_role_mode_worker_returns_its_command_status(program, status):
+    result = _run([sys.executable, "-c", program], **WORKER, BYTEPS_LOCAL_SIZE="1")
+    assert result.returncode == status, result.stdout + result.stderr
+
+
+def test_role_mode_returns_the_first_failure_of_several_local_ranks():
+    rank_exits = "import os, sys; sys.exit({1: 3}.get(int(os.environ['BYTEPS_LOCAL_RANK']), 0))"
+    result = _run([sys.executable, "-c", rank_exits], **WORKER, BYTEPS_LOCAL_SIZE="3")
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "worker 0.1 exited with status 3" in result.stderr
+
+
+def test_role_mode_server_returns_its_real_status():
+    """A server that cannot reach its scheduler gives up after the registration timeout."""
+    result = _run([], **{**WORKER, "DMLC_ROLE": "server", "PS_REGISTER_TIMEOUT_S": "1",
+                         "DMLC_PS_ROOT_PORT": str(free_port())})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[server]" in result.stdout and "no address book" in result.stdout
+
+
+def test_local_mode_returns_every_exit_mode_and_servers_are_labelled_by_rank():
+    """One --local job per exit mode, run side by side; the one that succeeds runs the real
+    protocol (two servers, whose prefixes name the ranks they report)."""
+    quick = {"PS_HEARTBEAT_INTERVAL_MS": "100", "PS_HEARTBEAT_TIMEOUT_MS": "400"}
+    jobs = [(["--num-servers", "2", "--", sys.executable, "-m", "worker.selfcheck", "--rounds", "1"], 0)]
+    jobs += [(["--", sys.executable, "-c", program], status) for program, status in EXIT_MODES[1:]]
+    procs = [subprocess.Popen([sys.executable, "-m", "adtopk_ps.launcher", "--local",
+                               "--num-workers", "2", "--timeout", "60", *args],
+                              env={**os.environ, **FAST, **quick}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for args, _ in jobs]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (args, status), p, out in zip(jobs, procs, outputs):
+        assert p.returncode == status, (args, out[-2000:])
+    for rank in (0, 1):
+        assert re.search(rf"\[server {rank}\] .* server {rank} serving on port", outputs[0]), outputs[0]
+
+
+def _fifo(tmp_path, name):
+    path = tmp_path / name
+    os.mkfifo(path)
+    return str(path), os.open(path, os.O_RDWR)  # held open: readers never see EOF early
+
+
+def _opened(pid, path):
+    try:
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_racy_endings_always_return_the_first_failure(tmp_path):
+    """Children released by one write to a FIFO end within microseconds of each other, many
+    times over: all failing at once, one failing as the others succeed, a death by signal among
+    successes, and a job with a role that never ends by itself (stopped after the grace)."""
+    endings = {  # per child: a shell command run once released; the statuses that may win
+        "all fail": (["exit 5", "exit 6", "exit 7"], {5, 6, 7}),
+        "one fails as the others succeed": (["exit 0", "exit 3", "exit 0"], {3}),
+        "a signal among successes": (["exit 0", "kill -9 $$", "exit 0"], {137}),
+        "a role left running": (["exec sleep 30", "exit 4", "exit 0"], {4}),
+    }
+    repeats = 12
+    lock = threading.Lock()
+    runs = []
+    for name, (commands, allowed) in endings.items():
+        for i in range(repeats):
+            path, fd = _fifo(tmp_path, f"{len(runs)}")
+            children = [Child(f"{name} {i}.{j}", ["sh", "-c", f"read _ < \"$0\"; {cmd}", path],
+                              os.environ, lock)
+                        for j, cmd in enumerate(commands)]
+            runs.append((name, allowed, path, fd, children))
+    start = time.monotonic()
+    try:
+        for name, allowed, path, fd, children in runs:
+            deadline = time.monotonic() + 30
+            while not all(_opened(c.proc.pid, path) for c in children):
+                assert time.monotonic() < deadline, f"{name}: children never opened {path}"
+                time.sleep(0.005)
+            os.write(fd, b"\n" * len(children))  # one line each: released together
+            status = supervise(children, grace=0.2, timeout=None)
+            assert status in allowed, (name, status, [c.code for c in children])
+    finally:
+        for *_, fd, children in runs:
+            os.close(fd)
+            for c in children:
+                c.kill()
+                c.join()
+    print(f"{len(runs)} racy endings in {time.monotonic() - start:.1f} s")
+
+
+# -- stopping: usage errors at once, Ctrl-C and SIGTERM within 2 s -----------------------------
+
+def _local_job(*worker_args, servers=1):
+    return subprocess.Popen([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "2",
+                             "--num-servers", str(servers), "--timeout", "120", "--",
+                             sys.executable, "-m", "worker", "--config", "configs/digits-mlp.yaml",
+                             *worker_args],
+                            env={**os.environ, **FAST}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _read_until(proc, pattern, lines, limit=120):
+    deadline = time.monotonic() + limit
+    for line in proc.stdout:
+        lines.append(line)
+        if re.search(pattern, line):
+            return line
+        assert time.monotonic() < deadline, "".join(lines[-30:])
+    raise AssertionError(f"{pattern!r} never came:\n" + "".join(lines[-30:]))
+
+
+def _alive_with(marker):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if marker in open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="ignore"):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_config_error_ends_the_local_job_at_once_naming_the_worker():
+    """Status 2 (a usage or config error) stops the other roles without waiting the grace."""
+    job = _local_job("--set", "batch_size=-32")
+    lines = []
+    try:
+        _read_until(job, r"\[bpslaunch\] worker \d exited with status 2 \(a usage or configuration error\)",
+                    lines)
+        noticed = time.monotonic()
+        rest, _ = job.communicate(timeout=30)
+        elapsed = time.monotonic() - noticed
+    finally:
+        job.kill()
+    out = "".join(lines) + rest
+    assert job.returncode == 2, out[-3000:]
+    assert elapsed < 2, (elapsed, out[-3000:])  # the grace would be 2 + 5 s here
+    assert re.search(r"\[worker \d\] worker: config key batch_size=-32: must be an integer >= 1", out)
+    assert "[bpslaunch] killing" not in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupting_bpslaunch_stops_every_role_within_2_s_with_one_line_each(sig, status):
+    marker = str(random.randint(10**8, 10**9))
+    job = _local_job("--steps", "100000", "--set", f"seed={marker}", servers=2)
+    lines = []
+    try:
+        _read_until(job, r"\[worker 0\] train:", lines)  # the progress bar is up: mid-training
+        time.sleep(0.5)
+        job.send_signal(sig)
+        sent = time.monotonic()
+        rest, _ = job.communicate(timeout=30)
+        elapsed = time.monotonic() - sent
+    finally:
+        job.kill()
+    out = "".join(lines) + rest
+    assert job.returncode == status, out[-3000:]
+    assert elapsed < 2, (elapsed, out[-3000:])
+    assert "Traceback" not in out, out[-3000:]
+    name = signal.Signals(sig).name
+    after = rest.splitlines()
+    assert [line for line in after if line.startswith("[bpslaunch]")] == \
+        [f"[bpslaunch] interrupted by {name}; stopping every role"], rest
+    for role in ("scheduler", "server 0", "server 1", "worker 0", "worker 1"):
+        kind = role.split()[0]
+        # one line each, on a line of its own: rank 0's is never glued onto its progress bar
+        assert [line for line in after if "stopped by" in line and line.startswith(f"[{role}]")] \
+            == [f"[{role}] {kind}: stopped by SIGTERM"], (role, rest)
+    deadline = time.monotonic() + 5
+    while _alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _alive_with(marker) == []

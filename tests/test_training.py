@@ -98,7 +98,7 @@ def test_bad_config_is_named(tmp_path):
     bad.write_text("model: cnn\nlearning_rate: 3\n")
     result = subprocess.run([sys.executable, "-m", "worker", "--config", str(bad)],
                             capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "unknown keys ['learning_rate']" in result.stderr
+    assert result.returncode == 2 and "config key learning_rate: unknown key" in result.stderr
 
 
 def test_policy_density_follows_the_compressor_however_the_config_spells_it():

@@ -1,4 +1,5 @@
-"""Job configs: a YAML file, with command-line flags overriding its keys."""
+"""Job configs: a YAML file, with command-line flags overriding its keys, validated in full
+(``validate.py``) before the job starts."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +7,8 @@ import copy
 from pathlib import Path
 
 import yaml
+
+from .validate import ConfigError, validate
 
 DEFAULTS = {
     "model": "cnn", "model_args": {},
@@ -18,6 +21,7 @@ DEFAULTS = {
     "min_compress_bytes": 65536, "budget": False, "cost_model": False, "dense_transport": "ps",
     "eval_every": 50, "checkpoint_every": 100, "seed": 0,
     "metrics": None, "progress": True,
+    "nonfinite": "stop",  # a NaN or Inf gradient: "stop" the job naming it, or "skip" the step
 }
 
 
@@ -43,18 +47,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _yaml(text: str, where: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(exc).split())}") from None
+
+
 def load(args: argparse.Namespace) -> dict:
+    """The config file with the flags and ``--set`` overrides applied; raises ``ConfigError``
+    (a ValueError) naming the first bad key or value."""
     path = Path(args.config)
     if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
-    loaded = yaml.safe_load(path.read_text()) or {}
+        raise ConfigError(f"config file {path} does not exist")
+    loaded = _yaml(path.read_text(), f"config file {path}") or {}
     if not isinstance(loaded, dict):
-        raise ValueError(f"config file {path} must hold a mapping")
-    unknown = set(loaded) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"config {path}: unknown keys {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
+        raise ConfigError(f"config file {path} must hold a mapping")
     cfg = copy.deepcopy(DEFAULTS)
     cfg.update(loaded)
+    _validated(cfg)  # the file alone first, so that the overrides below apply to sound values
     for key in ("steps", "epochs", "batch_size", "seed", "metrics"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
@@ -69,12 +80,22 @@ def load(args: argparse.Namespace) -> dict:
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            raise ValueError(f"--set {item!r} must look like KEY=VALUE")
+            raise ConfigError(f"--set {item!r} must look like KEY=VALUE")
         *parents, leaf = key.split(".")
-        if parents[:1] and parents[0] not in DEFAULTS or not parents and leaf not in DEFAULTS:
-            raise ValueError(f"--set {key}: unknown key; valid: {sorted(DEFAULTS)}")
         node = cfg
-        for part in parents:
+        for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(value)
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: config key {'.'.join(parents[:depth + 1])} "
+                                  f"is not a mapping")
+        node[leaf] = _yaml(value, f"--set {item}")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ConfigError(f"--stop-after={args.stop_after}: must be an integer >= 1")
+    return _validated(cfg)
+
+
+def _validated(cfg: dict) -> dict:
+    validate(cfg)
+    if isinstance(cfg["compression"], str):  # a compressor's name alone: one spelling from here on
+        cfg["compression"] = {"compressor": cfg["compression"]}
     return cfg

@@ -2,6 +2,7 @@
 and synthetic inputs for throughput runs. Every worker trains on its own shard."""
 from __future__ import annotations
 
+import inspect
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,10 +68,14 @@ def synthetic_images(seed: int, count: int = 2048, side: int = 32, classes: int 
     return Dataset(x, y, x[:256], y[:256], "classify")
 
 
+DATASETS = {"digits": digits, "pysource": python_source, "synthetic-images": synthetic_images}
+
+
 def load(name: str, seed: int, spec: dict | None = None) -> Dataset:
-    loaders = {"digits": lambda: digits(seed), "pysource": lambda: python_source(**(spec or {})),
-               "synthetic-images": lambda: synthetic_images(seed, **(spec or {}))}
-    if name not in loaders:
-        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(loaders)}")
-    return loaders[name]()
+    """``spec``: the loader's keyword arguments; a loader that takes a seed gets ``seed``."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; valid: {sorted(DATASETS)}")
+    loader = DATASETS[name]
+    seeded = {"seed": seed} if "seed" in inspect.signature(loader).parameters else {}
+    return loader(**seeded, **(spec or {}))
 

@@ -105,9 +105,10 @@ class TransformerLM(nn.Module):
         return self.out(self.blocks(h, mask=self.mask[:n, :n], is_causal=True))
 
 
+MODELS = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "vgg": VGG, "transformer": TransformerLM}
+
+
 def build(name: str, spec: dict) -> nn.Module:
-    models = {"mlp": MLP, "cnn": SmallCNN, "resnet18": ResNet18, "vgg": VGG,
-              "transformer": TransformerLM}
-    if name not in models:
-        raise ValueError(f"unknown model {name!r}; valid: {sorted(models)}")
-    return models[name](**spec)
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; valid: {sorted(MODELS)}")
+    return MODELS[name](**spec)

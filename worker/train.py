@@ -17,14 +17,16 @@ from tqdm import tqdm
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import SparsificationPolicy, create
+from adtopk_ps.env import EnvError
+from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError
 
 from . import checkpoint
 from . import config as job_config
 from .data import Dataset, load
 from .models import build
+from .validate import OPTIMIZERS
 
-OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def lr_at(step: int, total: int, base: float, schedule: dict) -> float:
@@ -144,16 +146,29 @@ def train(cfg: dict, args) -> dict:
     return summary
 
 
+def end_progress_lines() -> None:
+    """Close any open progress bar, so that what is printed next starts on a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def main(argv: list[str] | None = None) -> int:
+    stop_quietly_on_signals("worker", before=end_progress_lines)
     args = job_config.parse_args(argv)
     try:
-        cfg = job_config.load(args)
+        cfg = job_config.load(args)  # validated in full before this worker joins the cluster
     except ValueError as exc:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     try:
         summary = train(cfg, args)
-    except (ClusterError, TimeoutError, bps.Disagreement) as exc:
+    except BaseException as exc:
+        end_progress_lines()  # an error never shares a line with the bar
+        if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable
+            print(f"worker: {exc}", file=sys.stderr, flush=True)
+            return 2
+        if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement)):
+            raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     if summary["rank"] == 0:
