@@ -18,6 +18,7 @@ DEFAULTS = {
     "min_compress_bytes": 65536, "budget": False, "cost_model": False, "dense_transport": "ps",
     "eval_every": 50, "checkpoint_every": 100, "seed": 0,
     "metrics": None, "progress": True,
+    "nonfinite": "stop",
 }
 
 

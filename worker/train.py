@@ -97,7 +97,7 @@ def train(cfg: dict, args) -> dict:
     data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size)
     model = build(cfg["model"], cfg["model_args"])
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
-                                   make_compression(cfg))
+                                   make_compression(cfg), nonfinite=cfg["nonfinite"])
     start = 0
     ckpt = checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
     if ckpt is not None and ckpt.exists():
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         summary = train(cfg, args)
-    except (ClusterError, TimeoutError) as exc:
+    except (ClusterError, TimeoutError, bps.NonFiniteGradient) as exc:
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     if summary["rank"] == 0:

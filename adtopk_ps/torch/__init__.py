@@ -8,13 +8,15 @@
 """
 from .broadcast import broadcast_optimizer_state, broadcast_parameters
 from .ddp_hook import ADTopkHookState, adtopk_hook
+from .nonfinite import NonFiniteGradient
 from .objects import allgather_object, broadcast_object
 from .optimizer import DistributedOptimizer, GradientCompression
 from .runtime import (client, init, local_rank, local_size, push_pull, push_pull_async, rank,
                       shutdown, size)
 
 __all__ = [
-    "ADTopkHookState", "DistributedOptimizer", "GradientCompression", "adtopk_hook", "allgather_object",
+    "ADTopkHookState", "DistributedOptimizer", "GradientCompression", "NonFiniteGradient",
+    "adtopk_hook", "allgather_object",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "client", "init",
     "local_rank", "local_size", "push_pull", "push_pull_async", "rank", "shutdown", "size",
 ]
