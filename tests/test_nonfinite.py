@@ -72,6 +72,16 @@ def test_above_selects_what_it_did_and_every_nan(x, threshold, value, where):
     assert int(where % flat.numel()) in above(flat, threshold).tolist()
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_found_on_the_tensors_own_device(spec, device):
+    x = torch.randn(48, 260, device=device)
+    assert not _compress(spec, x).nonfinite
+    for value in BAD:
+        y = x.clone()
+        y[47, 259] = value
+        assert _compress(spec, y).nonfinite, value
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_all_finite_reads_every_entry(dtype):
     x = torch.randn(4099, dtype=dtype)

@@ -66,7 +66,7 @@ def main():
         except bps.NonFiniteGradient as exc:
             print(f"stopped: {exc}", flush=True)
             sys.exit(3)
-        print(f"step {step} checksum {digest(model)} loss {float(loss):.6f}", flush=True)
+        print(f"step {step} checksum {digest(model)} loss {loss.item():.6f}", flush=True)
     print(f"done skipped={opt.skipped_steps}", flush=True)
     bps.shutdown()
 
