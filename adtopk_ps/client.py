@@ -80,6 +80,9 @@ class Handle:
         self._event = threading.Event()
         self._error: BaseException | None = None
         self.completed_at: float | None = None  # time.monotonic() when the answer was complete
+        # ranks whose push of this tensor held a NaN or an infinity (the servers' answers say,
+        # alike on every worker): the result is not to be trusted
+        self.nonfinite: set[int] = set()
 
     def done(self) -> bool:
         return self._event.is_set()
@@ -383,7 +386,8 @@ class PSClient:
             self.compress_seconds += time.perf_counter() - started
             rnd = self._rounds.get(key, 0)
             self._rounds[key] = rnd + 1
-            frames = wire.encode("push", key=key, round=rnd, sender=self.rank, payload=payload)
+            flag = {"nonfinite": True} if payload.nonfinite else {}
+            frames = wire.encode("push", key=key, round=rnd, sender=self.rank, payload=payload, **flag)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
             self._inflight[key] = _Part(job.handle, out, rnd)
             send(servers[server_of(key, len(servers))], frames)
@@ -406,6 +410,11 @@ class PSClient:
             raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
                                f"of the wrong shape")
         handle, payload = part.handle, msg.payload
+        flagged = msg.extra.get("nonfinite", [])
+        if flagged and flagged[-1] >= self.size:
+            raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "
+                               f"beyond the {self.size} workers")
+        handle.nonfinite.update(flagged)
         if handle.parts == 1 and not handle.out_given and payload.codec == "dense" \
                 and payload.values.dtype == handle.out.dtype and handle.out.device.type == "cpu":
             handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy

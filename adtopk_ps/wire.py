@@ -7,6 +7,10 @@ buffers, sent without copies. No float data ever travels inside msgpack.
 
 ``decode`` validates the header schema, the dtypes, the frame lengths and
 the index ranges before any tensor is built, and raises only ``WireError``.
+
+A push may say ``nonfinite: true`` (its compressor saw a NaN or an infinity);
+a result then lists, in ``nonfinite``, the ranks whose pushes of that round
+said so, the same list to every worker.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ OPS = TENSOR_OPS | CONTROL_OPS
 
 _ENVELOPE = {"v": int, "op": str, "key": int, "round": int, "sender": int}
 _PAYLOAD_FIELDS = ("codec", "shape", "dtype", "vdtype", "count", "idtype", "view", "k", "seed")
+_MAX_RANKS = 1 << 16
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _MAX_HEADER_BYTES = 1 << 16
 
@@ -99,7 +104,23 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     elif len(frames) > 1:
         raise WireError(f"{op} carries no tensor, but {len(frames) - 1} data frame(s) came with it")
     extra = {k: v for k, v in header.items() if k not in _ENVELOPE}
+    if "nonfinite" in extra:
+        _check_nonfinite(op, extra["nonfinite"])
     return Message(op, header["key"], header["round"], header["sender"], payload, extra)
+
+
+def _check_nonfinite(op: str, flag: object) -> None:
+    """A push's flag is a bool; a result's, the flagging ranks in increasing order."""
+    if op == "push":
+        if not isinstance(flag, bool):
+            raise WireError(f"push field 'nonfinite' must be a bool, got {flag!r:.60}")
+    elif op == "result":
+        if not isinstance(flag, list) or not 0 < len(flag) <= _MAX_RANKS or not all(
+                type(r) is int and 0 <= r < _MAX_RANKS for r in flag) or flag != sorted(set(flag)):
+            raise WireError(f"result field 'nonfinite' must list distinct worker ranks in "
+                            f"increasing order, got {flag!r:.60}")
+    else:
+        raise WireError(f"{op} carries no 'nonfinite' field; only push and result do")
 
 
 def envelope(frames: Sequence) -> tuple[int, int]:

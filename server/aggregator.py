@@ -51,6 +51,8 @@ class KeyState:
     clean: list[bool] = field(default_factory=lambda: [True, True])  # buffer known to be zeros
     touched: list[torch.Tensor] | None = None  # flat positions pushed, while every push is sparse
     wire: torch.dtype | None = None  # every push of the round dense and cast to this (fp16)
+    flagging: set[int] = field(default_factory=set)  # pushers of this round that saw a NaN or inf
+    flagged: list[int] = field(default_factory=list)  # the same, of the last round answered
 
     def start_round(self, payload: Payload, owned: bool) -> None:
         vals = payload.values
@@ -160,11 +162,13 @@ class Aggregator:
         self.bytes_held = 0
 
     def push(self, key: int, round: int, sender: int, payload: Payload,
-             owned: bool = False) -> Payload | None:
+             owned: bool = False, nonfinite: bool = False) -> Payload | None:
         """Add one worker's push; returns the round's answer when it completes.
 
         ``owned``: the payload's memory belongs to the server (it was decoded
         from the wire), so a dense first push may become the round's sum.
+        ``nonfinite``: the sender saw a NaN or an infinity in it; the answered
+        round's flagging ranks are then in ``keys[key].flagged``.
         """
         self.check_sender(sender)
         state = self.keys.get(key)
@@ -187,10 +191,13 @@ class Aggregator:
             state.wire = cast if cast != state.dtype else None
         state.union_bound += payload.count
         state.pushed.add(sender)
+        if nonfinite:
+            state.flagging.add(sender)
         if len(state.pushed) < self.num_workers:
             return None
         state.pushed.clear()
         state.round += 1
+        state.flagged, state.flagging = sorted(state.flagging), set()
         return in_dtype(self._answer(key, state, round), state.wire)
 
     def check_sender(self, sender: int) -> None:
@@ -213,7 +220,10 @@ class Aggregator:
         touched, state.touched = state.touched, None
         comp = self.resparsify
         if comp is not None and state.sparse and not (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
-            return comp.compress(aggregate, f"key{key}", round)
+            answer = comp.compress(aggregate, f"key{key}", round)
+            if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
+                comp.memory.forget([f"key{key}"])
+            return answer
         if touched is not None:
             return state.sparse_answer(aggregate, touched, round % 2)
         return hybrid(aggregate, state.union_bound)

@@ -107,7 +107,8 @@ class Server:
                 return self.on_finish(msg.sender, identity)
             if msg.key in self.dead:
                 raise PushRejected(self.dead[msg.key])
-            answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True)
+            answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True,
+                                          nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
         except (wire.WireError, PushRejected) as exc:
             if isinstance(exc, wire.WireError):
@@ -120,7 +121,9 @@ class Server:
         if answer is None:
             self.fail_if_stranded(msg.key)
             return
-        frames_out = wire.encode("result", key=msg.key, round=msg.round, payload=answer)
+        flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
+        frames_out = wire.encode("result", key=msg.key, round=msg.round, payload=answer,
+                                 **({"nonfinite": flagged} if flagged else {}))
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
 

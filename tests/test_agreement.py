@@ -45,6 +45,7 @@ EXPECTED = {
     "passes": ["workers disagree on backward_passes_per_step: worker 0 has 1, worker 1 has 2"],
     "overlap": ["workers disagree on overlap: worker 0 has False, worker 1 has True"],
     "op": ["workers disagree on op: worker 0 has 'Average', worker 1 has 'Sum'"],
+    "nonfinite": ["workers disagree on nonfinite: worker 0 has 'stop', worker 1 has 'skip'"],
     "names": ["workers disagree on the parameter '0.weight': worker 0 has float32[64, 32], worker 1 has none",
               "workers disagree on the parameter '0.bias': worker 0 has float32[64], worker 1 has none",
               "workers disagree on the parameter '2.weight': worker 0 has float32[4, 64], worker 1 has none",

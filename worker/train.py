@@ -88,7 +88,7 @@ def train(cfg: dict, args) -> dict:
     data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size)
     model = build(cfg["model"], cfg["model_args"])
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
-                                   make_compression(cfg))
+                                   make_compression(cfg), nonfinite=cfg["nonfinite"])
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
     start = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable
             print(f"worker: {exc}", file=sys.stderr, flush=True)
             return 2
-        if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement)):
+        if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
+                                bps.NonFiniteGradient)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

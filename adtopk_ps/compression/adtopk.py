@@ -13,7 +13,7 @@ import torch
 
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, index_dtype
-from .select import fibre_topk, fibre_topk_feedback, global_topk
+from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk
 
 LAYOUTS = ("axis", "rows")
 
@@ -46,7 +46,8 @@ class ADTopk(Compressor):
         view, k = self._fibres(tensor, ratio)
         x = tensor.detach().reshape(view)
         positions = fibre_topk(x, k)
-        return self._payload(tensor, view, positions, self._values(x.gather(1, positions)))
+        selected = x.gather(1, positions)  # every fibre's NaN and infinities come first
+        return self._payload(tensor, view, positions, self._values(selected), not all_finite(selected))
 
     def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
                                step: int = 0, ratio: float | None = None) -> Payload | None:
@@ -63,7 +64,7 @@ class ADTopk(Compressor):
         if found is None:
             return None
         positions, values = found
-        return self._payload(tensor, view, positions, values)
+        return self._payload(tensor, view, positions, values, not all_finite(values))
 
     def _fibres(self, tensor: torch.Tensor, ratio: float | None) -> tuple[tuple[int, ...], int]:
         """The view whose axis 1 the fibres run along, and how many entries each keeps."""
@@ -72,9 +73,9 @@ class ADTopk(Compressor):
 
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
-                 values: torch.Tensor) -> Payload:
+                 values: torch.Tensor, nonfinite: bool) -> Payload:
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
-                       positions.to(index_dtype(view[1])), view=view)
+                       positions.to(index_dtype(view[1])), view=view, nonfinite=nonfinite)
 
 
 class ADTopkInterleaved(ADTopk):

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from .payload import Payload, index_dtype
-from .select import fibre_topk_feedback
+from .select import all_finite, fibre_topk_feedback
 
 VALUE_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
@@ -71,7 +71,10 @@ class Compressor(ABC):
         return values.to(self.value_dtype)
 
     def _coo(self, tensor: torch.Tensor, flat: torch.Tensor, positions: torch.Tensor) -> Payload:
-        return _coo_payload(tensor, self._values(flat[positions]), positions)
+        """The payload of the selected ``positions``; a selection that takes every NaN and
+        infinity first (as top-k does) shows one, if there is any, among its values."""
+        selected = flat[positions]
+        return _coo_payload(tensor, self._values(selected), positions, not all_finite(selected))
 
     def _coo_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor,
                            ratio: float | None) -> Payload | None:
@@ -85,16 +88,17 @@ class Compressor(ABC):
         if found is None:
             return None
         positions, values = found
-        return _coo_payload(tensor, values.view(-1), positions.view(-1))
+        return _coo_payload(tensor, values.view(-1), positions.view(-1), not all_finite(values))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(ratio={self.ratio})"
 
 
-def _coo_payload(tensor: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> Payload:
+def _coo_payload(tensor: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 nonfinite: bool) -> Payload:
     """Flat positions travel in the narrowest type that holds the tensor's size."""
     return Payload("coo", tuple(tensor.shape), tensor.dtype, values,
-                   positions.to(index_dtype(tensor.numel())))
+                   positions.to(index_dtype(tensor.numel())), nonfinite=nonfinite)
 
 
 def global_k(numel: int, ratio: float) -> int:

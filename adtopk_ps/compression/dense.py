@@ -5,6 +5,7 @@ import torch
 
 from .base import Compressor
 from .payload import Payload
+from .select import all_finite
 
 
 class Dense(Compressor):
@@ -16,5 +17,7 @@ class Dense(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """Every element as it is; one read of the tensor finds a NaN or an infinity in it."""
         values = self._values(tensor.detach().reshape(-1))
-        return Payload("dense", tuple(tensor.shape), tensor.dtype, values)
+        return Payload("dense", tuple(tensor.shape), tensor.dtype, values,
+                       nonfinite=not all_finite(tensor))

@@ -1,11 +1,13 @@
 """DGC: the threshold is estimated from a small random sample of |g|."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .base import Compressor, check_ratio, flat_of, global_k
 from .payload import Payload, seed_for
-from .select import above, trim
+from .select import above, global_topk, trim
 
 
 class DGC(Compressor):
@@ -26,8 +28,10 @@ class DGC(Compressor):
         gen = torch.Generator(device="cpu").manual_seed(seed_for(name, step))
         picks = torch.randint(0, numel, (samples,), generator=gen).to(flat.device)
         sample = flat[picks].abs()
-        threshold = sample.topk(global_k(samples, ratio), sorted=False).values.min()
-        positions = above(flat, float(threshold))
+        threshold = float(sample.topk(global_k(samples, ratio), sorted=False).values.min())
+        if not math.isfinite(threshold):  # the sample holds a NaN or an infinity
+            return self._coo(tensor, flat, global_topk(flat, k))
+        positions = above(flat, threshold)
         if positions.numel() == 0:  # a sample can overshoot on spiky layers
-            positions = above(flat, float(threshold) * 0.5)
+            positions = above(flat, threshold * 0.5)
         return self._coo(tensor, flat, trim(flat, positions, k))

@@ -7,7 +7,7 @@ import torch
 
 from .base import Compressor, flat_of, global_k
 from .payload import Payload
-from .select import above, trim
+from .select import above, global_topk, trim
 
 _RESCALE_ROUNDS = 3
 
@@ -26,6 +26,8 @@ class GaussianK(Compressor):
         # two-sided tail of N(mean, std) that holds a `ratio` share of the mass
         z = math.sqrt(2.0) * float(torch.special.erfinv(torch.tensor(1.0 - ratio)))
         threshold = abs(mean) + z * std
+        if not math.isfinite(threshold):  # a NaN or an infinity (or a fit that overflowed)
+            return self._coo(tensor, flat, global_topk(flat, k))
         positions = above(flat, threshold)
         for _ in range(_RESCALE_ROUNDS):
             if positions.numel() > 4 * k / 3:

@@ -7,6 +7,8 @@ a factor of two of it, and such differences are exact in floating point.
 """
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from .base import Compressor
@@ -54,6 +56,12 @@ class ResidualMemory:
         payload.accumulate_into(residual, alpha=-1.0)
         self.residuals[name] = residual
         return residual
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop these residuals (one that took a NaN or an infinity would send it again);
+        each starts afresh from its next gradient."""
+        for name in names:
+            self.residuals.pop(name, None)
 
     def state_dict(self) -> dict:
         return {name: r.detach().cpu().clone() for name, r in self.residuals.items()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgpack
@@ -99,6 +99,9 @@ class Payload:
     indices: torch.Tensor | None = None
     view: tuple[int, ...] | None = None
     seed: int | None = None
+    # the compressor saw a NaN or an infinity in its input (not part of the encoding: a push
+    # carries it as a header flag)
+    nonfinite: bool = field(default=False, compare=False)
 
     @property
     def numel(self) -> int:

@@ -5,6 +5,7 @@ import torch
 
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, seed_for, seeded_indices
+from .select import all_finite
 
 
 class RandomK(Compressor):
@@ -22,5 +23,6 @@ class RandomK(Compressor):
         k = global_k(flat.numel(), self._ratio(ratio))
         seed = seed_for(name, step, self.seed)
         positions = seeded_indices(seed, flat.numel(), k, flat.device)
+        # the k values sent are all it reads otherwise: a NaN or an infinity elsewhere costs a read
         return Payload("seeded", tuple(tensor.shape), tensor.dtype,
-                       self._values(flat[positions]), seed=seed)
+                       self._values(flat[positions]), seed=seed, nonfinite=not all_finite(flat))

@@ -139,8 +139,23 @@ def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Flat positions where |flat| > threshold, without sorting."""
-    return torch.nonzero(flat.abs() > threshold).view(-1)
+    """Flat positions where |flat| > threshold, and every NaN (top-k selects a NaN first too,
+    so that a selection never hides one), without sorting."""
+    return torch.nonzero(flat.abs().le(threshold).logical_not_()).view(-1)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether no entry of ``tensor`` is a NaN or an infinity.
+
+    The selections above put a NaN or an infinity first, so a compressor asks
+    this of the k values it selected; it costs a full read only where nothing
+    else reads the tensor (dense, random-k). One aminmax pass (NaN propagates,
+    an infinity is an extreme), where ``isfinite().all()`` builds a mask first.
+    """
+    if tensor.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tensor.detach())
+    return math.isfinite(lo.item()) and math.isfinite(hi.item())
 
 
 def trim(flat: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:

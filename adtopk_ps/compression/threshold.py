@@ -7,6 +7,7 @@ without sorting. ``tau`` grows by one while the threshold is stable
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -45,7 +46,9 @@ class Threshold(Compressor):
         layer.calls += 1
         if layer.calls <= self.warmup or layer.since_refresh + 1 >= layer.tau or layer.refreshes == 0:
             positions = global_topk(flat, global_k(flat.numel(), self._ratio(ratio)))
-            self._refresh(layer, float(flat[positions].abs().min()) if positions.numel() else 0.0)
+            threshold = float(flat[positions].abs().min()) if positions.numel() else 0.0
+            if math.isfinite(threshold):  # a NaN or an infinity must not become the layer's
+                self._refresh(layer, threshold)
         else:
             layer.since_refresh += 1
             positions = above(flat, layer.threshold)

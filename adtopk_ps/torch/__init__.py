@@ -11,6 +11,7 @@ docs/compatibility.md lists every byteps.torch and horovod.torch name and what d
 from .agreement import Disagreement
 from .compression import Compression
 from .ddp_hook import ADTopkHookState, adtopk_hook
+from .nonfinite import NonFiniteGradient
 from .objects import allgather_object, broadcast_object
 from .ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async,
                   allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast,
@@ -24,7 +25,7 @@ from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [
     "ADTopkHookState", "Adasum", "Average", "Compression", "Disagreement", "DistributedOptimizer",
-    "GradientCompression", "Max", "Min", "Product", "ReduceOp", "Sum", "adtopk_hook",
+    "GradientCompression", "Max", "NonFiniteGradient", "Min", "Product", "ReduceOp", "Sum", "adtopk_hook",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",

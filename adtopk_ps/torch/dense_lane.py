@@ -17,6 +17,12 @@ A peer that dies closes its connections and gloo fails at once; one that
 hangs, or whose host drops off the network, gloo would wait out for the
 whole timeout. So a wait also watches the parameter server's heartbeats,
 which name such a peer within seconds.
+
+A NaN or an infinity in any worker's tensor makes the sum non-finite, and
+every worker gets the same sum: each reads its result once to see it, alike.
+Which workers it came from each knows of itself (it reads its own tensor
+before sending it); :meth:`DenseLane.flagging_ranks` tells the others, only
+when a result was non-finite.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..client import PSClient
+from ..compression.select import all_finite
 from ..transport import ClusterError
 from .objects import broadcast_object
 from .runtime import client
@@ -82,6 +89,8 @@ class Reduction:
         self.work: dist.Work | None = None
         self._done = threading.Event()
         self._averaged = False  # a second wait must not divide again
+        self.local_nonfinite = not all_finite(self.tensor)  # this worker's own part
+        self.nonfinite = False  # the average: alike on every worker (set by wait)
 
     def launch(self, group: dist.ProcessGroupGloo) -> None:
         self.work = group.allreduce([self.tensor])
@@ -103,6 +112,7 @@ class Reduction:
             raise ClusterError(f"dense all-reduce of {self.name!r} failed: {exc}") from None
         if not self._averaged:
             self.tensor.div_(self.lane.size)
+            self.nonfinite = not all_finite(self.tensor)
             self._averaged = True
         return self.tensor
 
@@ -120,6 +130,16 @@ class DenseLane:
         # what a ring all-reduce sends and receives per worker: 2 (W - 1) / W of the tensor
         # each way (gloo does not count its bytes; this is its algorithm's figure)
         self.bytes_moved = 0
+
+    def flagging_ranks(self, local: list[bool]) -> list[list[int]]:
+        """For tensors whose average came out non-finite (every worker lists the same ones, in
+        one order, and calls this at the same point), the ranks whose own tensor held a NaN or
+        an infinity, from ``local``: this worker's flags for them. None flagged: the sum itself
+        overflowed."""
+        table = torch.zeros(len(local), self.size)
+        table[:, self.group.rank()] = torch.tensor(local, dtype=table.dtype)
+        self.group.allreduce([table]).wait()
+        return [[r for r in range(self.size) if row[r]] for row in table.tolist()]
 
     def start(self, name: str, tensor: torch.Tensor) -> Reduction:
         index = self._index[name]

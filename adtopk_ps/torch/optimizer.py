@@ -24,6 +24,7 @@ from .dense_lane import DenseLane, Reduction, check_transport, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
 from .objects import allgather_object
 from .ops import Average, averages
+from .nonfinite import NonFiniteGuard
 from .trial import Trial
 from .runtime import client, size
 
@@ -153,7 +154,8 @@ class _Distributed:
         agree(describe(self._named, self._compression, {
             "dense_transport": transport, "overlap": overlap,
             "backward_passes_per_step": backward_passes_per_step, "op": "Sum" if summed else "Average",
-            "measure_costs": self._compression.measure_costs, "fusion_bytes": capacity,
+            "nonfinite": self._guard.policy, "measure_costs": self._compression.measure_costs,
+            "fusion_bytes": capacity,
             "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
         group = worker_group() if transport == "allreduce" or transport == "auto" and \
@@ -291,24 +293,44 @@ class _Distributed:
                                                   out=grad if grad.is_contiguous() else None)
 
     def synchronize(self) -> None:
-        """Wait for every gradient; parameters that got none this step push zeros."""
+        """Wait for every gradient; parameters that got none this step push zeros.
+
+        Raises :class:`~.nonfinite.NonFiniteGradient` on every worker alike where some
+        worker's gradient held a NaN or an infinity, under ``nonfinite="stop"``.
+        """
         for name, p in self._named:
             # every worker must push every key each step, or the others wait forever
             bucket = self._bucket_of.get(id(p))
             if id(p) not in self._handles and (bucket is None or id(p) not in bucket.ready):
                 self._start(name, p, p.grad)
+        waited = []
         for bucket in self._buckets:
-            bucket.unpack(self._bucket_handles.pop(bucket.name).wait())
-        for _, p in self._named:
+            handle = self._bucket_handles.pop(bucket.name)
+            bucket.unpack(handle.wait())
+            waited.append((bucket.name, handle))
+        for name, p in self._named:
             if id(p) in self._bucket_of:
                 continue
-            averaged = self._handles.pop(id(p)).wait()
+            handle = self._handles.pop(id(p))
+            averaged = handle.wait()
+            waited.append((name, handle))
             if p.grad is None:
                 p.grad = averaged.to(p.dtype)
             elif averaged is not p.grad:
                 p.grad.copy_(averaged)
         self._passes.clear()
         self._synchronized = True
+        self._guard.inspect(waited, self._ps_steps, client().rank, self._members)
+
+    def _members(self, name: str) -> list[str]:
+        """The tensors in the bucket called ``name`` (none for a tensor's own name)."""
+        names = {id(p): n for n, p in self._named}
+        return [names[id(p)] for b in self._buckets if b.name == name for p, _ in b.members]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps dropped on every worker for a NaN or an infinity (``nonfinite="skip"``)."""
+        return self._guard.skipped
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -326,7 +348,11 @@ class _Distributed:
             raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
         self._synchronized = False
         self._ps_steps += 1
-        loss = super().step(closure)
+        if self._guard.found:  # (only under "skip": "stop" raised in synchronize)
+            self._guard.skip(client().rank, self._compression.compressor, self._members)
+            loss = None
+        else:
+            loss = super().step(closure)
         if self._trial is not None:
             overlap, plan = self._trial.next_mode()
             if plan != self._plan:
@@ -367,7 +393,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          backward_passes_per_step: int = 1,
                          op: object = Average, gradient_predivide_factor: float = 1.0, *,
                          overlap: bool | str = "auto",
-                         fusion_bytes: int | None = None) -> torch.optim.Optimizer:
+                         fusion_bytes: int | None = None,
+                         nonfinite: str = "stop") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
     ``compression`` is a compressor, a name, a byteps-style dict
@@ -389,11 +416,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     will push and, where any differs, raise :class:`.Disagreement` on every
     worker, naming both sides (:mod:`.agreement`).
 
+    ``nonfinite``: where some worker's gradient holds a NaN or an infinity,
+    ``"stop"`` (the default) raises :class:`~.nonfinite.NonFiniteGradient` on
+    every worker, naming the workers, tensors and step; ``"skip"`` skips the
+    step on every worker alike with a warning, as ``torch.amp.GradScaler`` does
+    (:mod:`.nonfinite`).
+
     Example::
 
         opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                        compression=bps.Compression.adtopk(ratio=0.01))
     """
+    guard = NonFiniteGuard(nonfinite)  # a bad policy is refused before any setup
     summed = not averages(op)
     if isinstance(gradient_predivide_factor, bool) or \
             not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
@@ -404,6 +438,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     cls = type(optimizer.__class__.__name__, (_Distributed, optimizer.__class__), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
+    wrapped._guard = guard
     wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes, summed)
     if summed:  # the servers answer averages; the sum is size() times that
         def to_sum(opt, args, kwargs):

@@ -18,7 +18,7 @@ import adtopk_ps.torch as bps
 from adtopk_ps.compression import SparsificationPolicy
 
 BASE = {"compressor": "adtopk", "k": 0.01, "ef": "vanilla", "hidden": 64, "dtype": torch.float32,
-        "dense_transport": "ps", "backward_passes_per_step": 1, "overlap": False, "prefix": "", "op": bps.Average}
+        "dense_transport": "ps", "backward_passes_per_step": 1, "overlap": False, "prefix": "", "op": bps.Average, "nonfinite": "stop"}
 OTHER = {  # worker 1's setting in each case
     "agree": {},
     "compressor": {"compressor": "topk"},
@@ -32,6 +32,7 @@ OTHER = {  # worker 1's setting in each case
     "passes": {"backward_passes_per_step": 2},
     "overlap": {"overlap": True},
     "op": {"op": bps.Sum},
+    "nonfinite": {"nonfinite": "skip"},
     "names": {"prefix": "net."},
 }
 
@@ -58,7 +59,7 @@ def run(case: str, rank: int) -> bool:
     try:
         named = [(s["prefix"] + name, p) for name, p in model.named_parameters()]
         opt = bps.DistributedOptimizer(sgd, named, compression,
-                                       overlap=s["overlap"], op=s["op"],
+                                       overlap=s["overlap"], op=s["op"], nonfinite=s["nonfinite"],
                                        backward_passes_per_step=s["backward_passes_per_step"])
     except bps.Disagreement as exc:
         print(f"REFUSED case={case} rank={rank} after {time.monotonic() - began:.2f} s: {exc}",
