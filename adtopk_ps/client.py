@@ -29,6 +29,7 @@ from . import wire
 from .cluster import ClusterConfig, make_key, partition_rows, server_of
 from .compression import Compressor, Dense
 from .env import env_int
+from .liveness import PeerWatch
 from .transport import (ClusterError, SchedulerLink, drain, make_socket, register_timeout,
                         security, send)
 
@@ -278,6 +279,7 @@ class PSClient:
     def _engine(self) -> None:
         link = SchedulerLink(self.ctx, self.config)
         servers: list[zmq.Socket] = []
+        watches: list[PeerWatch] = []  # each server connection's, to notice a server's death
         linger = 0
         try:
             book = link.register()
@@ -285,10 +287,11 @@ class PSClient:
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
                                    curve="client")
+                watches.append(PeerWatch(sock))
                 sock.connect(address)
                 servers.append(sock)
             self._ready.set()
-            self._serve(link, servers)
+            self._serve(link, servers, watches)
             linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
         except BaseException as exc:  # anything here ends the job for this worker
             if not isinstance(exc, ClusterError):
@@ -297,22 +300,24 @@ class PSClient:
             self._ready.set()
             self._fail_all(self._error)
         finally:
+            for watch in watches:
+                watch.close()
             for sock in servers:
                 sock.close(linger)
             link.close()
             self._wake_in.close(0)
 
-    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket]) -> None:
+    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
+               watches: list[PeerWatch]) -> None:
         poller = zmq.Poller()
-        poller.register(link.sock, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
-        for sock in servers:
+        # a monitor's event only wakes the loop: link.tick() and _check_servers() read them
+        for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
         barriers: list[tuple[int, threading.Event]] = []
         barrier_seq = 0
         finishing = False
-        tick_ms = int(self.config.heartbeat_interval * 1000)
+        tick_ms = int(min(self.config.heartbeat_interval, 0.25) * 1000)
         while True:
             for sock, _ in poller.poll(tick_ms):
                 if sock is link.sock:
@@ -320,7 +325,7 @@ class PSClient:
                 elif sock is self._wake_in:
                     for _ in drain(self._wake_in):
                         pass
-                else:
+                elif sock in which:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
             with self._lock:
@@ -346,6 +351,15 @@ class PSClient:
             if finishing and link.shutdown:
                 return
             link.tick()
+            if not finishing:  # once finished, the servers may exit before the scheduler's answer
+                self._check_servers(watches)
+
+    def _check_servers(self, watches: list[PeerWatch]) -> None:
+        for index, watch in enumerate(watches):
+            if watch.lost():
+                raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
+                                   f"closed {watch.closed_for():.1f} s ago and did not come back "
+                                   f"(it exited or was killed); ending the job")
 
     def _launch(self, servers: list[zmq.Socket]) -> None:
         while True:
