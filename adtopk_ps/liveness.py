@@ -22,9 +22,9 @@ _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _HANDSHAKE_FAILED = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed (protocol error)",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the peer refused our key (check PS_CURVE_KEYS)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake with it failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake with it failed (a protocol error)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it refused our key",
 }
 
 

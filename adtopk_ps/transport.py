@@ -117,10 +117,12 @@ class SchedulerLink:
     def _waiting_for(self) -> str:
         """What this node is waiting for, in words, naming the scheduler's address."""
         address = self.config.scheduler_address
+        if not self.watch.ever_connected and self.watch.problem:
+            return (f"{self.config.role}: the scheduler at {address} answers, but "
+                    f"{self.watch.problem}: every role needs the same PS_CURVE_KEYS, or none")
         if not self.watch.ever_connected:
-            why = f"; {self.watch.problem}" if self.watch.problem else ""
             return (f"{self.config.role}: no answer from the scheduler at {address}: cannot "
-                    f"connect ({self.watch.retries} attempt(s) failed{why}); is it running, "
+                    f"connect ({self.watch.retries} attempt(s) failed); is it running, "
                     f"and are DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT right?")
         have, need = self.progress.get("registered"), self.progress.get("expected")
         if not have or not need:

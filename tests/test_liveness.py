@@ -215,3 +215,21 @@ def test_a_connection_that_drops_and_comes_back_within_the_grace_is_not_a_loss()
         monitor.close()
         probe.close()
         ctx.term()
+
+
+def test_a_node_without_the_clusters_keys_says_the_handshake_failed(tmp_path):
+    keygen(tmp_path / "keys")
+    env = cluster_env(1, 1, free_port(), **DEFAULTS)
+    started = [Lines([sys.executable, "-m", "adtopk_ps.scheduler"],
+                     {**env, "DMLC_ROLE": "scheduler", "PS_CURVE_KEYS": str(tmp_path / "keys")})]
+    try:
+        started.append(Lines(COMMANDS["server"], {**env, "DMLC_ROLE": "server",
+                                                  "PS_REGISTER_TIMEOUT_S": "4"}))
+        assert started[1].finish(60) != 0
+        assert (f"gave up after 4 s (PS_REGISTER_TIMEOUT_S): server: the scheduler at "
+                f"tcp://127.0.0.1:{env['DMLC_PS_ROOT_PORT']} answers, but the handshake with it "
+                f"failed") in started[1].text(), started[1].text()
+        assert "every role needs the same PS_CURVE_KEYS, or none" in started[1].text()
+    finally:
+        for p in started:
+            p.kill()
