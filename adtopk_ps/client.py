@@ -310,14 +310,15 @@ class PSClient:
     def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
                watches: list[PeerWatch]) -> None:
         poller = zmq.Poller()
-        # a monitor's event only wakes the loop: link.tick() and _check_servers() read them
+        # a monitor's event wakes the loop (a peer that is down keeps producing reconnection
+        # events); link.tick() and _check_servers() read them
         for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
         barriers: list[tuple[int, threading.Event]] = []
         barrier_seq = 0
         finishing = False
-        tick_ms = int(min(self.config.heartbeat_interval, 0.25) * 1000)
+        tick_ms = int(self.config.heartbeat_interval * 1000)
         while True:
             for sock, _ in poller.poll(tick_ms):
                 if sock is link.sock:
@@ -351,12 +352,14 @@ class PSClient:
             if finishing and link.shutdown:
                 return
             link.tick()
-            if not finishing:  # once finished, the servers may exit before the scheduler's answer
-                self._check_servers(watches)
+            self._check_servers(watches, finishing)
 
-    def _check_servers(self, watches: list[PeerWatch]) -> None:
+    def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
+        """Raise when a server's connection closed for good; once this worker has finished,
+        the servers may exit before the scheduler's answer comes (events are still read:
+        a monitor nobody reads fills up)."""
         for index, watch in enumerate(watches):
-            if watch.lost():
+            if watch.lost() and not finishing:
                 raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
                                    f"closed {watch.closed_for():.1f} s ago and did not come back "
                                    f"(it exited or was killed); ending the job")

@@ -76,7 +76,7 @@ class Server:
             poller.register(self.data, zmq.POLLIN)
             poller.register(self.link.sock, zmq.POLLIN)
             poller.register(self.link.watch.sock, zmq.POLLIN)  # wakes us; link.tick() reads it
-            tick_ms = int(min(self.config.heartbeat_interval, 0.25) * 1000)
+            tick_ms = int(self.config.heartbeat_interval * 1000)
             while not self.link.shutdown:
                 for sock, _ in poller.poll(tick_ms):
                     if sock is self.link.sock:
