@@ -61,6 +61,7 @@ class PeerWatch(Monitor):
         self.ever_connected = False
         self.down_since: float | None = None
         self.retries = 0  # connection attempts that failed before the first handshake
+        self.tcp_connected = False  # a TCP connection was made, handshake or not
         self.problem: str | None = None  # the last handshake failure, if any
 
     def update(self) -> None:
@@ -70,6 +71,8 @@ class PeerWatch(Monitor):
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.ever_connected and self.down_since is None:
                     self.down_since = time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                self.tcp_connected = True
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 self.retries += 1
             elif event in _HANDSHAKE_FAILED:

@@ -120,6 +120,10 @@ class SchedulerLink:
         if not self.watch.ever_connected and self.watch.problem:
             return (f"{self.config.role}: the scheduler at {address} answers, but "
                     f"{self.watch.problem}: every role needs the same PS_CURVE_KEYS, or none")
+        if not self.watch.ever_connected and self.watch.tcp_connected:
+            return (f"{self.config.role}: something at {address} accepts the connection but "
+                    f"never completes zmq's handshake: a scheduler that is stopped, or another "
+                    f"program on that port?")
         if not self.watch.ever_connected:
             return (f"{self.config.role}: no answer from the scheduler at {address}: cannot "
                     f"connect ({self.watch.retries} attempt(s) failed); is it running, "
