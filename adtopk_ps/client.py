@@ -29,6 +29,7 @@ from . import wire
 from .cluster import ClusterConfig, make_key, partition_rows, server_of
 from .compression import Compressor, Dense
 from .env import env_int
+from .liveness import PeerWatch
 from .transport import (ClusterError, SchedulerLink, drain, make_socket, register_timeout,
                         security, send)
 
@@ -296,6 +297,7 @@ class PSClient:
     def _engine(self) -> None:
         link = SchedulerLink(self.ctx, self.config)
         servers: list[zmq.Socket] = []
+        watches: list[PeerWatch] = []  # each server connection's, to notice a server's death
         linger = 0
         try:
             book = link.register()
@@ -303,10 +305,11 @@ class PSClient:
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
                                    curve="client")
+                watches.append(PeerWatch(sock))
                 sock.connect(address)
                 servers.append(sock)
             self._ready.set()
-            self._serve(link, servers)
+            self._serve(link, servers, watches)
             linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
         except BaseException as exc:  # anything here ends the job for this worker
             if not isinstance(exc, ClusterError):
@@ -315,16 +318,19 @@ class PSClient:
             self._ready.set()
             self._fail_all(self._error)
         finally:
+            for watch in watches:
+                watch.close()
             for sock in servers:
                 sock.close(linger)
             link.close()
             self._wake_in.close(0)
 
-    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket]) -> None:
+    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
+               watches: list[PeerWatch]) -> None:
         poller = zmq.Poller()
-        poller.register(link.sock, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
-        for sock in servers:
+        # a monitor's event wakes the loop (a peer that is down keeps producing reconnection
+        # events); link.tick() and _check_servers() read them
+        for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
         barriers: list[tuple[int, threading.Event]] = []
@@ -338,7 +344,7 @@ class PSClient:
                 elif sock is self._wake_in:
                     for _ in drain(self._wake_in):
                         pass
-                else:
+                elif sock in which:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
             with self._lock:
@@ -364,6 +370,17 @@ class PSClient:
             if finishing and link.shutdown:
                 return
             link.tick()
+            self._check_servers(watches, finishing)
+
+    def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
+        """Raise when a server's connection closed for good; once this worker has finished,
+        the servers may exit before the scheduler's answer comes (events are still read:
+        a monitor nobody reads fills up)."""
+        for index, watch in enumerate(watches):
+            if watch.lost() and not finishing:
+                raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
+                                   f"closed {watch.closed_for():.1f} s ago and did not come back "
+                                   f"(it exited or was killed); ending the job")
 
     def _launch(self, servers: list[zmq.Socket]) -> None:
         while True:

@@ -2,8 +2,9 @@
 
 It waits for DMLC_NUM_SERVER servers and DMLC_NUM_WORKER workers, gives
 every node its rank and the servers' addresses, answers heartbeats, and
-when a node goes silent tells everyone which one, so the job ends with a
-clear error instead of a hang. When every worker has finished it tells the
+when a node's connection closes (it crashed or was killed) or it goes
+silent (it hangs) tells everyone which one, so the job ends with a clear
+error instead of a hang. When every worker has finished it tells the
 servers to shut down and exits 0.
 
     DMLC_ROLE=scheduler ... python -m adtopk_ps.scheduler
@@ -21,8 +22,9 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig
 from .env import EnvError
+from .liveness import RECONNECT_GRACE, ConnectionTable
 from .stop import stop_quietly_on_signals
-from .transport import make_socket, register_timeout, send
+from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
 
 log = logging.getLogger("adtopk_ps.scheduler")
 
@@ -34,7 +36,9 @@ class Node:
     rank: int
     address: str
     last_seen: float
+    fd: int  # the connection its last message came on
     finished: bool = False
+    closed_at: float | None = None  # when that connection closed, until another carries it
 
     @property
     def label(self) -> str:
@@ -48,6 +52,7 @@ class Scheduler:
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.bind(f"tcp://*:{config.root_port}")
+        self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
         self.barrier_seq = 0
@@ -58,16 +63,28 @@ class Scheduler:
         log.info("scheduler listening on port %d for %d server(s) and %d worker(s) (pid %d)",
                  cfg.root_port, cfg.num_servers, cfg.num_workers, os.getpid())
         deadline = time.monotonic() + register_timeout()
+        notice = time.monotonic() + WAIT_NOTICE_S[1]
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.conns.sock, zmq.POLLIN)
         try:
             while True:
-                if self.sock.poll(int(cfg.heartbeat_interval * 1000)):
-                    identity, *frames = self.sock.recv_multipart(copy=False)
-                    done = self._on_message(identity.bytes, frames)
-                    if done:
+                poller.poll(int(min(cfg.heartbeat_interval, RECONNECT_GRACE / 4) * 1000))
+                for identity, *frames in drain(self.sock):
+                    if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
+                        self._await_hangups(2.0)  # the shutdown notices leave before we do
                         return 0
-                lost = self._silent_node()
+                for fd in self.conns.update():
+                    self._connection_closed(fd)
+                lost = self._closed_node() or self._silent_node()
                 if lost is not None:
-                    return self._lose(lost)
+                    return self._lose(*lost)
+                if not self.started and time.monotonic() >= notice:
+                    have = self._count()
+                    log.info("waiting for %d more server(s) and %d more worker(s); giving up in "
+                             "%.0f s (PS_REGISTER_TIMEOUT_S)", cfg.num_servers - have["server"],
+                             cfg.num_workers - have["worker"], deadline - time.monotonic())
+                    notice = time.monotonic() + WAIT_NOTICE_S[1]
                 if not self.started and time.monotonic() > deadline:
                     have = self._count()
                     log.error("only %d server(s) and %d worker(s) registered within %.0f s "
@@ -75,6 +92,7 @@ class Scheduler:
                               register_timeout())
                     return 1
         finally:
+            self.conns.close()
             self.sock.close(0)
 
     def _count(self) -> dict:
@@ -89,7 +107,7 @@ class Scheduler:
         except zmq.ZMQError as exc:  # the peer is gone; its silence will be noticed
             log.warning("could not reach %r: %s", identity, exc)
 
-    def _on_message(self, identity: bytes, frames: list) -> bool:
+    def _on_message(self, identity: bytes, frames: list, fd: int) -> bool:
         try:
             msg = wire.decode(frames)
         except wire.WireError as exc:
@@ -98,13 +116,14 @@ class Scheduler:
             return False
         node = self.nodes.get(identity)
         if node is not None:
-            node.last_seen = time.monotonic()
+            node.last_seen, node.fd = time.monotonic(), fd
         if msg.op == "register":
-            self._register(identity, msg)
+            self._register(identity, msg, fd)
         elif node is None:
             self._reply(identity, "error", message=f"{msg.op} from a node that never registered")
         elif msg.op == "heartbeat":
-            self._reply(identity, "heartbeat")
+            # until the job starts, a waiting node learns who else is there
+            self._reply(identity, "heartbeat", **({} if self.started else self._progress()))
         elif msg.op == "barrier":
             return self._barrier(node)
         elif msg.op == "finish":
@@ -113,7 +132,7 @@ class Scheduler:
             self._reply(identity, "error", message=f"op {msg.op!r} is not for the scheduler")
         return False
 
-    def _register(self, identity: bytes, msg: wire.Message) -> None:
+    def _register(self, identity: bytes, msg: wire.Message, fd: int) -> None:
         cfg = self.config
         role = msg.extra.get("role")
         host, port = msg.extra.get("host"), msg.extra.get("port")
@@ -146,11 +165,19 @@ class Scheduler:
             self._reply(identity, "error", message=problem)
             return
         address = f"tcp://{host}:{port}" if role == "server" else f"{host}"
-        self.nodes[identity] = Node(identity, role, wid, address, time.monotonic())
+        self.nodes[identity] = Node(identity, role, wid, address, time.monotonic(), fd)
         log.info("registered %s at %s", role, address)
         counts = self._count()
         if counts["server"] == cfg.num_servers and counts["worker"] == cfg.num_workers:
             self._start()
+        else:
+            self._reply(identity, "heartbeat", **self._progress())
+
+    def _progress(self) -> dict:
+        """How many nodes of each role have registered, and how many the job needs."""
+        cfg = self.config
+        return {"registered": self._count(),
+                "expected": {"server": cfg.num_servers, "worker": cfg.num_workers}}
 
     def _start(self) -> None:
         for role, count in (("server", self.config.num_servers), ("worker", self.config.num_workers)):
@@ -190,31 +217,67 @@ class Scheduler:
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
             for n in self.nodes.values():
                 if n.role == "server":
+                    n.finished = True
                     self._reply(n.identity, "shutdown")
             log.info("all workers finished; shutting down")
             return True
         return False
 
-    def _silent_node(self) -> Node | None:
+    def _connection_closed(self, fd: int) -> None:
+        now = time.monotonic()
+        for node in self.nodes.values():
+            if node.fd == fd and not node.finished and node.closed_at is None:
+                node.closed_at = now
+
+    def _closed_node(self) -> tuple[Node, str] | None:
+        """A node whose connection closed and that has not spoken on another one within
+        the grace (zmq reconnects on its own); before the job starts it is dropped, so
+        that a restarted node can take its place."""
+        now = time.monotonic()
+        for identity, node in list(self.nodes.items()):
+            if node.closed_at is None or node.finished:
+                continue
+            if node.last_seen > node.closed_at and node.fd in self.conns.open:
+                node.closed_at = None  # it reconnected
+            elif now - node.closed_at > RECONNECT_GRACE:
+                why = (f"its connection to the scheduler closed {now - node.closed_at:.1f} s ago "
+                       f"and did not come back (the process exited or was killed)")
+                if self.started:
+                    return node, why
+                log.warning("%s dropped before the job started: %s", node.label, why)
+                del self.nodes[identity]
+        return None
+
+    def _silent_node(self) -> tuple[Node, str] | None:
         now = time.monotonic()
         for identity, node in list(self.nodes.items()):
             if node.finished or now - node.last_seen <= self.config.heartbeat_timeout:
                 continue
+            why = f"no heartbeat for {now - node.last_seen:.1f} s"
             if self.started:
-                return node
-            log.warning("%s went silent before the job started; dropping it", node.label)
+                return node, why
+            log.warning("%s went silent before the job started (%s); dropping it", node.label, why)
             del self.nodes[identity]
         return None
 
-    def _lose(self, lost: Node) -> int:
-        silent = time.monotonic() - lost.last_seen
-        what = f"{lost.label} lost: no heartbeat for {silent:.1f} s"
+    def _lose(self, lost: Node, why: str) -> int:
+        what = f"{lost.label} lost: {why}"
         log.error("%s; telling every node", what)
         for node in self.nodes.values():
             if node is not lost and not node.finished:
                 self._reply(node.identity, "node_lost", what=what)
-        time.sleep(0.2)  # let the notices leave before the socket closes
+        self._await_hangups(1.0, skip=lost)  # the notices leave before the socket closes
         return 1
+
+    def _await_hangups(self, timeout: float, skip: Node | None = None) -> None:
+        """Wait (at most ``timeout`` s) until every node has closed its connection: it
+        has read what we sent last, which closing our socket now could have dropped."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.conns.update()
+            if not any(n.fd in self.conns.open for n in self.nodes.values() if n is not skip):
+                return
+            self.conns.sock.poll(50)
 
 
 def main() -> int:

@@ -2,7 +2,9 @@
 
 A node registers, waits for the address book, heartbeats, and learns from
 the scheduler when a peer is lost or the job is over. The link never blocks
-forever: every wait is bounded by the heartbeat timeout.
+forever: every wait is bounded by the heartbeat timeout, a closed connection
+to the scheduler ends the job within ``RECONNECT_GRACE``, and a node waiting
+to register says every few seconds what it is waiting for.
 """
 from __future__ import annotations
 
@@ -16,9 +18,13 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig
 from .env import env_int
+from .liveness import PeerWatch
 from .security import Security, keys_from_env
 
 log = logging.getLogger("adtopk_ps")
+
+
+WAIT_NOTICE_S = (2.0, 5.0)  # a waiting node's first notice, then one every this often
 
 
 class ClusterError(RuntimeError):
@@ -73,9 +79,11 @@ class SchedulerLink:
         self.config = config
         self.identity = f"{config.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sock = make_socket(ctx, zmq.DEALER, self.identity, curve="client")
+        self.watch = PeerWatch(self.sock)
         self.sock.connect(config.scheduler_address)
         self.rank = -1
         self.book: dict = {}
+        self.progress: dict = {}  # who has registered so far, while we wait for the book
         self.shutdown = False
         self.barrier_done = 0
         self._last_heard = self._last_sent = time.monotonic()
@@ -92,18 +100,51 @@ class SchedulerLink:
         wid = -1 if cfg.worker_id is None else cfg.worker_id
         self._send("register", role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
                    **self._server_id)
-        deadline = time.monotonic() + register_timeout()
+        limit = register_timeout()
+        began = time.monotonic()
+        notice = began + WAIT_NOTICE_S[0]
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.watch.sock, zmq.POLLIN)
         while not self.book:
-            if time.monotonic() > deadline:
-                raise ClusterError(f"no address book from the scheduler at {cfg.scheduler_address} "
-                                   f"within {register_timeout():.0f} s (PS_REGISTER_TIMEOUT_S)")
-            if self.sock.poll(int(cfg.heartbeat_interval * 1000)):
-                self.handle(self.sock.recv_multipart(copy=False))
+            now = time.monotonic()
+            if now - began > limit:
+                raise ClusterError(f"gave up after {limit:.0f} s (PS_REGISTER_TIMEOUT_S): "
+                                   f"{self._waiting_for()}")
+            if now >= notice:
+                log.warning("%s; waiting up to %.0f s more (PS_REGISTER_TIMEOUT_S)",
+                            self._waiting_for(), limit - (now - began))
+                notice = now + WAIT_NOTICE_S[1]
+            if dict(poller.poll(int(min(cfg.heartbeat_interval, 0.25) * 1000))).get(self.sock):
+                for frames in drain(self.sock):
+                    self.handle(frames)
             self.tick(expect_scheduler=False)
         return self.book
 
-    def _send(self, op: str, **extra) -> None:
-        send(self.sock, wire.encode(op, sender=max(self.rank, 0), **extra))
+    def _waiting_for(self) -> str:
+        """What this node is waiting for, in words, naming the scheduler's address."""
+        address = self.config.scheduler_address
+        if not self.watch.ever_connected and self.watch.problem:
+            return (f"{self.config.role}: the scheduler at {address} answers, but "
+                    f"{self.watch.problem}: every role needs the same PS_CURVE_KEYS, or none")
+        if not self.watch.ever_connected and self.watch.tcp_connected:
+            return (f"{self.config.role}: something at {address} accepts the connection but "
+                    f"never completes zmq's handshake: a scheduler that is stopped, or another "
+                    f"program on that port?")
+        if not self.watch.ever_connected:
+            return (f"{self.config.role}: no answer from the scheduler at {address}: cannot "
+                    f"connect ({self.watch.retries} attempt(s) failed); is it running, "
+                    f"and are DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT right?")
+        have, need = self.progress.get("registered"), self.progress.get("expected")
+        if not have or not need:
+            return f"{self.config.role}: connected to the scheduler at {address}; no answer yet"
+        return (f"{self.config.role}: registered with the scheduler at {address}; waiting for the "
+                f"other nodes: {have.get('worker')} of {need.get('worker')} worker(s) and "
+                f"{have.get('server')} of {need.get('server')} server(s) so far")
+
+    def _send(self, op: str, flags: int = 0, **extra) -> None:
+        self.sock.send_multipart(wire.encode(op, sender=max(self.rank, 0), **extra), flags,
+                                 copy=False)
         self._last_sent = time.monotonic()
 
     def handle(self, frames: list) -> wire.Message:
@@ -113,7 +154,9 @@ class SchedulerLink:
         except wire.WireError as exc:
             raise ClusterError(f"malformed message from the scheduler: {exc}") from None
         self._last_heard = time.monotonic()
-        if msg.op == "addressbook":
+        if msg.op == "heartbeat" and "registered" in msg.extra:
+            self.progress = msg.extra
+        elif msg.op == "addressbook":
             self.rank = msg.extra["rank"]
             self.book = msg.extra
         elif msg.op == "node_lost":
@@ -127,10 +170,17 @@ class SchedulerLink:
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:
-        """Heartbeat when due; raise if the scheduler has gone silent."""
+        """Heartbeat when due; raise if the scheduler's connection closed or it went silent."""
         now = time.monotonic()
-        if now - self._last_sent >= self.config.heartbeat_interval:
-            self._send("heartbeat")
+        if self.watch.lost() and not self.shutdown:
+            raise ClusterError(f"scheduler at {self.config.scheduler_address} lost: its connection "
+                               f"closed {self.watch.closed_for():.1f} s ago and did not come back "
+                               f"(it exited or was killed); ending the job")
+        if now - self._last_sent >= self.config.heartbeat_interval and self.watch.ever_connected:
+            try:  # never queued behind a dead connection: a lost one changes nothing
+                self._send("heartbeat", zmq.NOBLOCK)
+            except zmq.Again:
+                pass
         if expect_scheduler and now - self._last_heard > self.config.heartbeat_timeout:
             raise ClusterError(f"scheduler at {self.config.scheduler_address} silent for "
                                f"{now - self._last_heard:.1f} s (timeout "
@@ -143,6 +193,7 @@ class SchedulerLink:
         self._send("finish")
 
     def close(self) -> None:
+        self.watch.close()
         self.sock.close(0)
 
 

@@ -76,12 +76,13 @@ class Server:
             poller = zmq.Poller()
             poller.register(self.data, zmq.POLLIN)
             poller.register(self.link.sock, zmq.POLLIN)
+            poller.register(self.link.watch.sock, zmq.POLLIN)  # wakes us; link.tick() reads it
             tick_ms = int(self.config.heartbeat_interval * 1000)
             while not self.link.shutdown:
                 for sock, _ in poller.poll(tick_ms):
                     if sock is self.link.sock:
                         self.link.handle(self.link.sock.recv_multipart(copy=False))
-                    else:
+                    elif sock is self.data:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
