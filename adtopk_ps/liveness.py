@@ -34,6 +34,7 @@ class Monitor:
     thread-safe: the monitor belongs to the watched socket's thread)."""
 
     def __init__(self, watched: zmq.Socket):
+        self._watched = watched
         self.sock = watched.get_monitor_socket(_EVENTS)
         self.sock.setsockopt(zmq.LINGER, 0)
 
@@ -50,6 +51,13 @@ class Monitor:
         return out
 
     def close(self) -> None:
+        """Stop the monitor, then close its socket; before the watched socket closes. (A
+        monitor left running sends the watched socket's last events to a socket nobody reads,
+        which blocks the context's I/O thread: every later connection of the process stalls.)"""
+        try:
+            self._watched.disable_monitor()
+        except zmq.ZMQError:
+            pass  # the watched socket is already closed
         self.sock.close(0)
 
 

@@ -233,3 +233,16 @@ def test_a_node_without_the_clusters_keys_says_the_handshake_failed(tmp_path):
     finally:
         for p in started:
             p.kill()
+
+
+def test_clients_one_after_another_in_one_process_never_stall_its_connections():
+    """A closed client stops its socket monitors before their sockets close: a monitor left
+    running blocks the context's I/O thread on events nobody reads, and every later
+    connection of the process (the next test's clients, a resumed job) never starts."""
+    for _ in range(20):  # the stall came within a dozen clusters
+        with roles(2, 1) as (config, _):
+            workers = start_clients(config, 2)
+            handles = [w.push_pull(torch.ones(4), "x", average=False) for w in workers]
+            assert [h.wait(20).tolist() for h in handles] == [[2.0] * 4] * 2
+            for w in workers:
+                w.shutdown()
