@@ -31,6 +31,14 @@ overhead), compute, compression (PS), the wait for answers after backward
 (PS), and what is left (communication not hidden by the backward pass).
 "hidden" is the share of ADTopk's compression and communication that
 overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
+ps-adtopk+crossbarrier crosses the step barrier (adtopk_ps.torch.cross_barrier:
+each layer waits for its own update in the next forward pass); its rounds also
+time, on a copy of the model, the plain optimizer with overlap (at the barrier)
+and without, and it reports what crossing hides by the same formula and what
+overlap at the barrier hides. A cross-barrier step's communication lands
+during whatever runs next, so that system's kinds are timed in runs of
+CROSSBARRIER_RUN steps, the cross-barrier run ending by waiting for its last
+updates (which it then counts as exposed: the figure is a lower bound).
 
 Where the margin between two systems is smaller than this machine's drift
 between runs (on a fast link, with small models), --paired gives each PS
@@ -61,10 +69,16 @@ SYSTEMS = {
     # the cost model, and dense tensors all-reduced among the workers where that measures faster
     "ps-adtopk+hybrid": {"kind": "ps", "compressor": "adtopk", "cost": True, "dense": "auto"},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
+    # each layer's update applied in the next forward pass (adtopk_ps.torch.cross_barrier)
+    "ps-adtopk+crossbarrier": {"kind": "ps", "compressor": "adtopk", "crossbarrier": True},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
     "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
     "ddp-adtopk": {"kind": "ddp", "hook": "adtopk"},
 }
+# a cross-barrier step leaves its communication to the next forward pass: its system's kinds
+# are timed in runs of this many consecutive steps, the cross-barrier run ending by waiting for
+# its last updates (see worker())
+CROSSBARRIER_RUN = 4
 # steps the overlap="auto" trial times each way (jobs default to 8; PS_OVERLAP_TRIAL_STEPS overrides)
 OVERLAP_TRIAL_STEPS = 4
 # name: (architecture, its parameters, input kind). "vgg" has VGG's own 4096-wide classifier;
@@ -128,7 +142,8 @@ def worker(args: argparse.Namespace) -> None:
     def nothing():
         pass
 
-    paired = args.paired and system["kind"] == "ps"
+    # (crossing the barrier compares itself with the plain optimizer in its own rounds instead)
+    paired = args.paired and system["kind"] == "ps" and not system.get("crossbarrier")
     if paired:  # DDP's copy of the model starts from the same weights
         ddp_model = copy.deepcopy(model)
     if system["kind"] == "ps":
@@ -172,9 +187,16 @@ def worker(args: argparse.Namespace) -> None:
             None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
             SparsificationPolicy(ratio if name != "none" else 1.0),
             measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
+        client = bps.client()
+        if system.get("crossbarrier"):
+            result.update(crossbarrier(args, model, twin, loss_of, interleaved, compression, client))
+            rank = bps.rank()
+            bps.shutdown()
+            if rank == 0:
+                print("RESULT " + json.dumps(result), flush=True)
+            return
         opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                        model.named_parameters(), compression)  # overlap="auto"
-        client = bps.client()
         waits: dict[str, list[float]] = {"step": [], "other": []}
 
         def step(kind):
@@ -241,6 +263,81 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+
+
+def crossbarrier(args: argparse.Namespace, model, twin, loss_of, interleaved, compression,
+                 client) -> dict:
+    """ps-adtopk+crossbarrier's rounds: forward + backward alone, the cross-barrier step, and
+    on a copy of the model the plain optimizer with overlap and without, each kind a run of
+    CROSSBARRIER_RUN consecutive steps (the cross-barrier run ending by waiting for its last
+    updates, so that none of its communication lands during another kind's turn)."""
+    import torch
+
+    import adtopk_ps.torch as bps
+    from adtopk_ps.compression import SparsificationPolicy
+    from adtopk_ps.torch.cross_barrier import CrossBarrier
+    base = copy.deepcopy(model)
+    cb = CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                      named_parameters=model.named_parameters(), compression=compression)
+    plain = bps.DistributedOptimizer(
+        torch.optim.SGD(base.parameters(), lr=0.01), base.named_parameters(),
+        bps.GradientCompression({"compressor": "adtopk", "k": args.ratio, "ef": "vanilla"},
+                                SparsificationPolicy(args.ratio)), overlap=True, key_prefix="barrier.")
+    run = CROSSBARRIER_RUN
+    waits: dict[str, list[float]] = {"step": [], "barrier": [], "other": []}
+
+    def steps(net, opt, kind: str):
+        def go():
+            for _ in range(run):
+                opt.zero_grad()
+                loss_of(net).backward()
+                began = time.perf_counter()
+                if opt is cb:
+                    opt.step()
+                else:
+                    opt.synchronize()
+                    with opt.skip_synchronize():
+                        opt.step()
+                waits[kind].append(time.perf_counter() - began)
+            if opt is cb:  # the run's last updates, counted as exposed
+                began = time.perf_counter()
+                cb.synchronize()
+                waits[kind][-1] += time.perf_counter() - began
+        return go
+
+    def alone():
+        for _ in range(run):
+            twin.zero_grad()
+            loss_of(twin).backward()
+
+    kinds = {"compute": (lambda: None, alone), "step": (lambda: None, steps(model, cb, "step")),
+             "barrier": (lambda: plain.set_overlap(True), steps(base, plain, "barrier")),
+             "other": (lambda: plain.set_overlap(False), steps(base, plain, "other"))}
+    interleaved(kinds, args.warmup)
+    moved = lambda: client.bytes_pushed + client.bytes_pulled  # noqa: E731
+    c0, b0 = client.compress_seconds, moved()
+    times = interleaved(kinds, args.steps)
+    pushes = args.steps * run * 3  # the three PS kinds push the same
+
+    def summary(kind: str) -> dict:
+        return {"compute_s": times["compute"][0] / run, "step_s": times[kind][0] / run,
+                "cpu_s": times[kind][1] / run, "wait_s": sum(waits[kind][-args.steps * run:]) / (args.steps * run),
+                "compress_s": (client.compress_seconds - c0) / pushes,
+                "bytes_per_step": (moved() - b0) / pushes}
+
+    # (the routes are named by the cross-barrier's server keys, in the model's order)
+    sizes = [p.numel() for p in model.parameters()]
+    dense = [n for n, route in zip(sizes, compression.routes.values()) if route.dense]
+    return {**summary("step"), "barrier": summary("barrier"), "other": summary("other"),
+            "run": run, "dense": [len(dense), len(sizes), sum(dense) / sum(sizes)]}
+
+
+def hidden_share(overlapped: dict, without: dict) -> str:
+    """1 - (overlapped step - compute) / (step without overlap - compute), or "-" where noise
+    leaves nothing exposed without overlap."""
+    exposed = without["step_s"] - without["compute_s"]
+    return "-" if exposed <= 0 else \
+        f"{1 - max(0.0, overlapped['step_s'] - overlapped['compute_s']) / exposed:.0%}"
 
 
 # --- the driver ------------------------------------------------------------------------
@@ -386,7 +483,10 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
             every = "cost" in r and r["dense"][0] == r["dense"][1]
             rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
                                    if "overlap" in r else ""), r))
-            if "other" in r:
+            if "barrier" in r:  # crossing the barrier, against the plain optimizer at it
+                rows += [(f"{system}, at the barrier with overlap", r["barrier"]),
+                         (f"{system}, at the barrier without overlap", r["other"])]
+            elif "other" in r:
                 rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
         for system, r in rows:
             if "error" in r:
@@ -402,12 +502,21 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
         chosen = by_system.get("ps-adtopk", {})
         if "other" in chosen:
             ov, no = (chosen, chosen["other"]) if chosen["overlap"] else (chosen["other"], chosen)
-            exposed = no["step_s"] - no["compute_s"]  # none left to hide when noise makes it <= 0
-            hidden = "-" if exposed <= 0 else f"{1 - max(0.0, ov['step_s'] - ov['compute_s']) / exposed:.0%}"
-            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden} "
+            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden_share(ov, no)} "
                        f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
                        f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
                        f"taking turns in one run)")
+        crossing = by_system.get("ps-adtopk+crossbarrier", {})
+        if "barrier" in crossing:
+            at, no = crossing["barrier"], crossing["other"]
+            out.append(f"\nCrossing the barrier (ps-adtopk+crossbarrier): ADTopk compression + communication "
+                       f"hidden by the backward and the next forward pass: {hidden_share(crossing, no)}; by the "
+                       f"backward pass alone, at the barrier: {hidden_share(at, no)} (step "
+                       f"{1000 * crossing['step_s']:.0f} ms crossing the barrier, {1000 * at['step_s']:.0f} ms "
+                       f"with overlap at the barrier, {1000 * no['step_s']:.0f} ms without, forward + backward "
+                       f"alone {1000 * crossing['compute_s']:.0f} ms: the four taking turns in one run, in runs "
+                       f"of {crossing['run']} steps, the run crossing the barrier ending by waiting for its "
+                       f"last updates)")
         partial = by_system.get("ps-adtopk", {}).get("dense")
         for system, r in by_system.items():
             if "cost" not in r:

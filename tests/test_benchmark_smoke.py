@@ -86,6 +86,26 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     assert (tmp_path / "e2e-vgg-1024-paired.png").stat().st_size > 0
 
 
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_e2e_benchmark_reports_what_crossing_the_barrier_hides(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "1gbit",
+         "--systems", "ps-adtopk+crossbarrier", "--trials", "1", "--steps", "2", "--warmup", "1",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = (tmp_path / "e2e-vgg-1024.md").read_text()
+    for row in ("ps-adtopk+crossbarrier", "ps-adtopk+crossbarrier, at the barrier with overlap",
+                "ps-adtopk+crossbarrier, at the barrier without overlap"):
+        m = re.search(rf"^\| {re.escape(row)} \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ "
+                      rf"\| \d+ \| ([\d.]+) \|", report, re.M)
+        assert m and all(int(v) > 0 for v in m.groups()[:3]), report
+        assert float(m.group(4)) < 5  # MB per step: ADTopk's, not dense
+    assert re.search(r"Crossing the barrier \(ps-adtopk\+crossbarrier\): ADTopk compression \+ communication "
+                     r"hidden by the backward and the next forward pass: (-?\d+%|-); by the backward pass alone, "
+                     r"at the barrier: (-?\d+%|-) \(step \d+ ms crossing the barrier, \d+ ms with overlap at the "
+                     r"barrier, \d+ ms without, forward \+ backward alone \d+ ms", report), report
+
+
 def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

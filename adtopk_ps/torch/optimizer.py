@@ -44,6 +44,21 @@ def _round_trip(probe: torch.Tensor, name: str, repeats: int) -> float:
     return _fastest(lambda: client().push_pull(probe, name, average=False).wait(), repeats)
 
 
+class _Once:
+    """A handle's answer, waited for (and checked by ``check``) once however many callers
+    read it."""
+
+    def __init__(self, handle: Handle | Reduction, check: Callable[[Handle | Reduction], None]):
+        self._handle, self._check, self._answer = handle, check, None
+
+    def __call__(self) -> torch.Tensor:
+        if self._answer is None:
+            answer = self._handle.wait()
+            self._check(self._handle)
+            self._answer = answer
+        return self._answer
+
+
 class GradientCompression:
     """One compressor plus the policy that says which tensors it gets, and at what density."""
 
@@ -129,7 +144,8 @@ class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 
     def _setup(self, named_parameters, compression, backward_passes_per_step: int,
-               overlap: bool | str, fusion: int | None, summed: bool = False) -> None:
+               overlap: bool | str, fusion: int | None, summed: bool = False,
+               key_prefix: str = "") -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if overlap not in (True, False, "auto"):
@@ -143,7 +159,8 @@ class _Distributed:
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError("named_parameters has duplicate names")
-        self._named = [(n, p) for n, p in named if p.requires_grad]
+        self._named = [(key_prefix + n, p) for n, p in named if p.requires_grad]
+        self._key_prefix = key_prefix
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
@@ -189,7 +206,8 @@ class _Distributed:
         """Route by ``self._plans[plan]`` from the next gradient on (between steps only)."""
         self._compression.routes = self._plans[plan]
         if plan not in self._layouts:  # (every worker lays out the same plans in one order)
-            self._layouts[plan] = self._lay_out(f"fused.{plan}." if plan else "fused.")
+            self._layouts[plan] = self._lay_out(
+                f"{self._key_prefix}fused.{plan}." if plan else f"{self._key_prefix}fused.")
         self._buckets, self._bucket_of, self._lane = self._layouts[plan]
         self._plan = plan
 
@@ -292,17 +310,50 @@ class _Distributed:
         self._handles[id(p)] = client().push_pull(grad, name, comp, ratio=ratio, step=self._ps_steps,
                                                   out=grad if grad.is_contiguous() else None)
 
+    def _start_missing(self) -> None:
+        """Push what the hooks have not (every parameter, without overlap); parameters that got
+        no gradient push zeros: every worker must push every key each step, or the others wait
+        forever."""
+        for name, p in self._named:
+            bucket = self._bucket_of.get(id(p))
+            if id(p) not in self._handles and (bucket is None or id(p) not in bucket.ready):
+                self._start(name, p, p.grad)
+
+    def _hand_over(self) -> dict[int, Callable[[], torch.Tensor]]:
+        """End this step on the engine's side without waiting: push what is left and hand every
+        answer over, per parameter (by id), as a call that waits for its averaged gradient and
+        returns it (:mod:`.cross_barrier` applies each when its layer needs it); a non-finite
+        answer raises there under ``nonfinite="stop"``, the engine's policy. A fusion
+        bucket's members read slices of its buffer: use each answer before the next backward
+        pass."""
+        self._start_missing()
+        step, rank = self._ps_steps, client().rank
+
+        def once(name: str, handle: Handle | Reduction) -> _Once:
+            # a non-finite answer stops every worker alike, at the same layer
+            return _Once(handle, lambda h: self._guard.inspect([(name, h)], step, rank,
+                                                               self._members))
+        answers: dict[int, Callable[[], torch.Tensor]] = {}
+        for bucket in self._buckets:
+            whole = once(bucket.name, self._bucket_handles.pop(bucket.name))
+            for p, offset in bucket.members:
+                answers[id(p)] = lambda whole=whole, p=p, offset=offset: \
+                    whole().narrow(0, offset, p.numel()).view_as(p)
+            bucket.ready.clear()
+        for name, p in self._named:
+            if id(p) not in self._bucket_of:
+                answers[id(p)] = once(name, self._handles.pop(id(p)))
+        self._passes.clear()
+        self._ps_steps += 1
+        return answers
+
     def synchronize(self) -> None:
         """Wait for every gradient; parameters that got none this step push zeros.
 
         Raises :class:`~.nonfinite.NonFiniteGradient` on every worker alike where some
         worker's gradient held a NaN or an infinity, under ``nonfinite="stop"``.
         """
-        for name, p in self._named:
-            # every worker must push every key each step, or the others wait forever
-            bucket = self._bucket_of.get(id(p))
-            if id(p) not in self._handles and (bucket is None or id(p) not in bucket.ready):
-                self._start(name, p, p.grad)
+        self._start_missing()
         waited = []
         for bucket in self._buckets:
             handle = self._bucket_handles.pop(bucket.name)
@@ -394,7 +445,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          op: object = Average, gradient_predivide_factor: float = 1.0, *,
                          overlap: bool | str = "auto",
                          fusion_bytes: int | None = None,
-                         nonfinite: str = "stop") -> torch.optim.Optimizer:
+                         nonfinite: str = "stop",
+                         key_prefix: str = "") -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over every worker.
 
     ``compression`` is a compressor, a name, a byteps-style dict
@@ -409,6 +461,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     model the same trial also times every tensor dense.
     ``fusion_bytes`` caps the buckets that small dense gradients share
     (default ``PS_FUSION_BYTES`` or 4 MiB; 0 sends each on its own).
+    ``key_prefix`` goes before every server key of this optimizer's gradients
+    (its parameters' names and its fusion buckets), so that two optimizers in
+    one process (two models) keep apart.
     ``op`` (horovod's): ``Average`` (the default) or ``Sum`` of the workers'
     gradients; ``gradient_predivide_factor`` is accepted for horovod scripts
     and changes nothing (the servers' sums do not overflow as NCCL's fp16 ones can).
@@ -439,7 +494,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped._guard = guard
-    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes, summed)
+    wrapped._setup(named_parameters, compression, backward_passes_per_step, overlap, fusion_bytes,
+                   summed, key_prefix)
     if summed:  # the servers answer averages; the sum is size() times that
         def to_sum(opt, args, kwargs):
             for _, p in opt._named:
