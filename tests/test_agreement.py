@@ -113,15 +113,16 @@ def test_ddp_hook_states_that_disagree_are_refused_on_every_rank(tmp_path):
         assert EXPECTED["compressor"][0] in out
 
 
-def test_training_jobs_started_with_different_compressors_exit_non_zero_naming_both():
-    # as two hosts would be started by hand: the same job, but --compressor differs
+def _two_jobs(*per_rank: list[str]) -> list[tuple[int, str]]:
+    """The training job on two workers started by hand, as two hosts would be, each with its
+    own extra arguments."""
     with roles(2, 1) as (config, _):
         env = cluster_env(2, 1, config.root_port, DMLC_ROLE="worker")
         workers = [subprocess.Popen(
             [sys.executable, "-m", "worker", "--config", str(ROOT / "configs" / "digits-mlp.yaml"),
-             "--steps", "5", "--compressor", compressor],
+             "--steps", "5", *extra],
             env={**env, "DMLC_WORKER_ID": str(rank)}, cwd=ROOT, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True) for rank, compressor in enumerate(("adtopk-i", "topk"))]
+            stderr=subprocess.STDOUT, text=True) for rank, extra in enumerate(per_rank)]
         outs = []
         try:
             for p in workers:
@@ -130,11 +131,26 @@ def test_training_jobs_started_with_different_compressors_exit_non_zero_naming_b
             for p in workers:
                 p.kill()
                 p.wait()
-    for p, out in zip(workers, outs):
-        assert p.returncode == 1, out[-3000:]
-        assert "worker: Disagreement: workers disagree on the compressor of 'net.1.weight' and " \
-               "'net.3.weight': worker 0 has adtopk-i(ratio=0.01, ef=vanilla), worker 1 has " \
-               "topk(ratio=0.01, ef=vanilla)\n" in out, out[-3000:]
+    return [(p.returncode, out) for p, out in zip(workers, outs)]
+
+
+def test_training_jobs_started_with_different_compressors_exit_non_zero_naming_both():
+    for code, out in _two_jobs(["--compressor", "adtopk-i"], ["--compressor", "topk"]):
+        assert code == 1, out[-3000:]
+        # the job compares its configs first; the optimizer's own check is the program's above
+        assert "worker: Disagreement: workers disagree on the job config: " \
+               "compression.compressor: worker 0 has 'adtopk-i', worker 1 has 'topk'\n" in out, \
+            out[-3000:]
+        assert "Traceback" not in out
+
+
+def test_training_jobs_with_different_learning_rates_exit_non_zero_naming_both():
+    """The job reads its learning rate and schedule from each worker's own config every step,
+    which no broadcast of optimizer state corrects: the configs themselves must agree."""
+    for code, out in _two_jobs([], ["--lr", "0.2", "--set", "lr_schedule.warmup_steps=3"]):
+        assert code == 1, out[-3000:]
+        assert "worker: Disagreement: workers disagree on the job config: lr_schedule.warmup_steps:" \
+               in out and "optimizer.lr: worker 0 has 0.05, worker 1 has 0.2" in out, out[-3000:]
         assert "Traceback" not in out
 
 

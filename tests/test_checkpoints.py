@@ -250,3 +250,15 @@ def test_checkpoints_at_different_steps_are_refused(tmp_path, runs):
                       steps=30)
     assert (f"checkpoints at different steps: worker 0 at step 4 ({d}/worker0.pt), worker 1 at "
             f"step 8 ({d}/worker1.pt)") in out, out[-3000:]
+
+
+def test_intact_checkpoints_of_two_different_runs_are_refused(tmp_path, runs):
+    """Another run's checkpoint of the same job at the same step (here: another seed) is intact
+    and matches in every field, but its parameters differ from the other worker's."""
+    other = tmp_path / "other"
+    made = train_job(2, 1, "--steps", str(STEPS), "--stop-after", "4", "--seed", "7",
+                     "--checkpoint-dir", str(other), "--set", "progress=false")
+    assert made.returncode == 0, made.stdout[-3000:]
+    d, out = _refused(tmp_path, runs, setup=lambda d: shutil.copy(other / "worker1.pt", d))
+    assert re.search(rf"they hold different parameters, so they come from different runs: worker 0 "
+                     rf"\({d}/worker0.pt\) \w+; worker 1 \({d}/worker1.pt\) \w+", out), out[-3000:]

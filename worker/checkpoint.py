@@ -234,4 +234,25 @@ def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer,
     """
     rank, workers = bps.rank(), bps.size()
     mine = inspect(directory, rank, workers, job_identity(cfg), total, model, opt)
-    return decide(bps.allgather_object(mine, name="checkpoint.findings"))
+    step = decide(bps.allgather_object(mine, name="checkpoint.findings"))
+    if step is not None:
+        _check_same_parameters(directory, model)
+    return step
+
+
+def _parameters_digest(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _check_same_parameters(directory: str | os.PathLike, model: nn.Module) -> None:
+    """Data-parallel workers hold the same parameters after every step, so intact checkpoints
+    that differ were saved by different runs (a re-run with another seed, an old copy)."""
+    digests = bps.allgather_object(_parameters_digest(model), name="checkpoint.parameters")
+    if len(set(digests)) > 1:
+        held = "; ".join(f"worker {r} ({checkpoint_path(directory, r)}) {d}"
+                         for r, d in enumerate(digests))
+        raise CheckpointError(f"checkpoints refused on every worker, none trains: they hold "
+                              f"different parameters, so they come from different runs: {held}")

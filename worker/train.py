@@ -81,9 +81,34 @@ def checksum(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def agree_on_config(cfg: dict) -> None:
+    """Every worker trains by one config: each reads its learning rate and schedule from its own
+    every step, which no broadcast of the optimizer's state would correct. Raises
+    :class:`bps.Disagreement` on every worker alike, naming the keys and both sides."""
+    mine = _flat({k: v for k, v in cfg.items() if k not in ("metrics", "progress")})
+    configs = bps.allgather_object(mine, name="job.config")
+    lines = [f"{key}: worker 0 has {configs[0].get(key)!r}, worker {rank} has {other.get(key)!r}"
+             for rank, other in enumerate(configs[1:], 1)
+             for key in sorted(set(configs[0]) | set(other)) if configs[0].get(key) != other.get(key)]
+    if lines:
+        raise bps.Disagreement("workers disagree on the job config: " + "; ".join(lines[:5])
+                               + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""))
+
+
 def train(cfg: dict, args) -> dict:
     torch.manual_seed(cfg["seed"])
     bps.init()
+    agree_on_config(cfg)
     rank, size = bps.rank(), bps.size()
     data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size)
     model = build(cfg["model"], cfg["model_args"])

@@ -21,6 +21,7 @@ from ..compression import Compressor
 from .dense_lane import Reduction
 
 POLICIES = ("stop", "skip")
+MAX_SKIPS_IN_A_ROW = 10  # then the parameters themselves are the likely source: no skip helps
 log = logging.getLogger("adtopk_ps.torch")
 
 
@@ -50,6 +51,7 @@ class NonFiniteGuard:
         self.found: dict[str, list[int]] = {}  # tensor (or bucket) -> flagging ranks
         self.step = 0
         self.skipped = 0  # steps skipped so far
+        self.in_a_row = 0  # steps skipped since the last finite one
 
     def inspect(self, waited: list[tuple[str, Handle | Reduction]], step: int, rank: int,
                 members: Callable[[str], list[str]]) -> None:
@@ -63,6 +65,8 @@ class NonFiniteGuard:
             ranks = averaged[0][1].lane.flagging_ranks([h.local_nonfinite for _, h in averaged])
             found.update((name, r) for (name, _), r in zip(averaged, ranks))
         self.found, self.step = found, step
+        if not found:
+            self.in_a_row = 0
         if found and self.policy == "stop":
             raise NonFiniteGradient(
                 f"worker {rank}: {self.describe(members)}; stopping (nonfinite='stop'; "
@@ -84,4 +88,10 @@ class NonFiniteGuard:
         log.warning("worker %d: %s; step skipped (nonfinite='skip')", rank, self.describe(members))
         forget_residuals(compressor, self.found)
         self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise NonFiniteGradient(
+                f"worker {rank}: {self.in_a_row} steps in a row skipped, the last for a "
+                f"{self.describe(members)}; the parameters or the learning rate are the likely "
+                f"source, which skipping cannot mend; stopping")
         self.found = {}
