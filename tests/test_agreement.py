@@ -94,19 +94,22 @@ def test_every_difference_is_refused_on_every_worker_at_once_naming_both_sides()
     assert len({digest for _, digest in trained}) == 1
 
 
+def _outputs(procs: list, timeout: float) -> list[str]:
+    """Every process's output, each within ``timeout``; none is left running."""
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_ddp_hook_states_that_disagree_are_refused_on_every_rank(tmp_path):
     init = tmp_path / "init"
     procs = [subprocess.Popen([sys.executable, PROGRAM, "--ddp", str(r), "2", str(init), "compressor"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(2)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=60)[0])
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+    outs = _outputs(procs, 60)
     for rank, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 3, out[-3000:]
         assert f"REFUSED case=compressor rank={rank}" in out
@@ -123,14 +126,7 @@ def _two_jobs(*per_rank: list[str]) -> list[tuple[int, str]]:
              "--steps", "5", *extra],
             env={**env, "DMLC_WORKER_ID": str(rank)}, cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True) for rank, extra in enumerate(per_rank)]
-        outs = []
-        try:
-            for p in workers:
-                outs.append(p.communicate(timeout=90)[0])
-        finally:
-            for p in workers:
-                p.kill()
-                p.wait()
+        outs = _outputs(workers, 90)
     return [(p.returncode, out) for p, out in zip(workers, outs)]
 
 

@@ -1,18 +1,11 @@
 """Run under bpslaunch: workers start from different weights and optimizer states,
 then broadcast from rank 0; prints checksums before and after for the test to compare."""
 import argparse
-import hashlib
 
 import torch
 
 import adtopk_ps.torch as bps
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+from report import digest
 
 
 bps.init()

@@ -6,7 +6,6 @@ for the test to compare between workers.
 
     bpslaunch --local --num-workers 2 --num-servers 2 -- python byteps_style.py
 """
-import hashlib
 import timeit
 import warnings
 
@@ -16,17 +15,7 @@ import torch.utils.data.distributed
 from sklearn.datasets import load_digits
 
 import adtopk_ps.torch as bps
-
-
-def say(text):
-    print(f"worker {bps.rank()}: {text}", flush=True)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
+from report import digest, say
 
 
 def synthetic_benchmark():

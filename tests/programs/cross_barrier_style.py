@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import adtopk_ps.torch.cross_barrier as bps
+from report import say
 
 STEPS = 6
 OPTIMIZERS = {
@@ -19,10 +20,6 @@ OPTIMIZERS = {
     "adam": lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=1e-3),
     "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
 }
-
-
-def say(text):
-    print(f"worker {bps.rank()}: {text}", flush=True)
 
 
 def batch(step):

@@ -6,26 +6,15 @@ single-process reference trained on every worker's data, and prints one line per
     bpslaunch --local --num-workers 2 --num-servers 1 -- python ddp_style.py
 """
 import copy
-import hashlib
 
 import torch
 import torch.nn.functional as F
 
 import adtopk_ps.torch as bps
 from adtopk_ps.torch.parallel import DistributedDataParallel
+from report import digest, say
 
 BATCH, STEPS, CHUNKS = 8, 6, 3
-
-
-def say(text):
-    print(f"worker {bps.rank()}: {text}", flush=True)
-
-
-def digest(tensors):
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def batch(step, worker, chunk=0):
