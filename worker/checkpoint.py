@@ -240,7 +240,8 @@ def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer,
     return step
 
 
-def _parameters_digest(model: nn.Module) -> str:
+def parameters_digest(model: nn.Module) -> str:
+    """16 hex digits of a sha256 over the parameters: equal on every worker after each step."""
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
@@ -250,7 +251,7 @@ def _parameters_digest(model: nn.Module) -> str:
 def _check_same_parameters(directory: str | os.PathLike, model: nn.Module) -> None:
     """Data-parallel workers hold the same parameters after every step, so intact checkpoints
     that differ were saved by different runs (a re-run with another seed, an old copy)."""
-    digests = bps.allgather_object(_parameters_digest(model), name="checkpoint.parameters")
+    digests = bps.allgather_object(parameters_digest(model), name="checkpoint.parameters")
     if len(set(digests)) > 1:
         held = "; ".join(f"worker {r} ({checkpoint_path(directory, r)}) {d}"
                          for r, d in enumerate(digests))

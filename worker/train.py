@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
@@ -74,13 +73,6 @@ def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:
     return float(accuracy), float(loss)
 
 
-def checksum(model: nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
 def _flat(tree: dict, prefix: str = "") -> dict:
     out = {}
     for key, value in tree.items():
@@ -143,7 +135,7 @@ def train(cfg: dict, args) -> dict:
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
         if args.checksums:  # through tqdm, so the line never shares one with the bar
-            tqdm.write(f"checksum step {step + 1}: {checksum(model)}", file=sys.stdout)
+            tqdm.write(f"checksum step {step + 1}: {checkpoint.parameters_digest(model)}", file=sys.stdout)
         last = step + 1 == end
         if log is not None and ((step + 1) % cfg["eval_every"] == 0 or last):
             record = {"step": step + 1, "loss": loss_value,
@@ -164,7 +156,7 @@ def train(cfg: dict, args) -> dict:
                "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
                "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds,
                "compressor": opt._compression.compressor.name if opt._compression.compressor else "none",
-               "wall_s": wall, "workers": size, "rank": rank, "checksum": checksum(model)}
+               "wall_s": wall, "workers": size, "rank": rank, "checksum": checkpoint.parameters_digest(model)}
     if log is not None:
         log.close()
     bps.shutdown()
