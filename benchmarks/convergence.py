@@ -1,23 +1,33 @@
-"""Convergence at equal bytes: every compressor trains the same job on a 4-worker cluster.
+"""Convergence at equal bytes, over several seeds: every compressor trains the same jobs on a
+4-worker x 2-server cluster.
 
-For each density, ADTopk runs at that density, and every other sparsifier
-runs at the density that makes its payloads for the model's sparsified
-layers as large as ADTopk's (found by bisection on the real payload sizes),
-so the comparison is at equal bytes sent. Layers the partial-sparsification
-policy keeps dense are the same for every run. Dense training is the
+Two tasks: Fashion-MNIST with a small CNN (test accuracy) and a byte-level Transformer on
+Python's standard library (test loss, bits per byte). For each density, ADTopk runs at that
+density and every other sparsifier at the density that makes its payloads for the task's
+sparsified layers as large as ADTopk's (bisection on real payload sizes), so runs compare at
+equal bytes. Layers the policy keeps dense are the same in every run; dense training is the
 reference.
 
-    python benchmarks/convergence.py                  # writes docs/convergence*.png and .md
-    python benchmarks/convergence.py --densities 0.01 --compressors adtopk topk
+Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
+and runs already there are skipped: stop it at any time and run the same command again to go
+on. ``--shard I/N`` runs every N-th pending run, so N machines (or N sittings) split the study;
+``--report`` only draws the tables and charts from what is stored.
+
+    python benchmarks/convergence.py                          # run what is missing, then report
+    python benchmarks/convergence.py --tasks fashion --seeds 0 --compressors adtopk topk
+    python benchmarks/convergence.py --shard 1/2              # half of the pending runs
+    python benchmarks/convergence.py --report                 # tables and charts only
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import statistics
 import subprocess
 import sys
-import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +38,45 @@ from worker.models import build
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SPARSIFIERS = ["topk", "adtopk", "adtopk-i", "threshold", "randomk", "dgc", "gaussiank"]
+TASKS = {"fashion": ROOT / "configs" / "fashion-cnn.yaml",
+         "pysource": ROOT / "configs" / "pysource-transformer.yaml"}
+MAIN = ["topk", "adtopk", "adtopk-i"]  # every seed, every density
+OTHERS = ["threshold", "randomk", "dgc", "gaussiank"]  # the first seed, the first density
+
+
+@dataclass(frozen=True)
+class Run:
+    task: str
+    compressor: str  # "none" for dense
+    density: float | None  # the ADTopk density it is matched to; None for dense
+    seed: int
+
+    @property
+    def tag(self) -> str:
+        kind = "dense" if self.density is None else f"{self.compressor}-d{self.density:g}"
+        return f"{self.task}-{kind}-s{self.seed}"
+
+
+def plan(tasks: list[str], densities: list[float], seeds: list[int], compressors: list[str]) -> list[Run]:
+    """Seed by seed, so that a study stopped half way has every method at its first seeds."""
+    runs = []
+    for seed in seeds:
+        for task in tasks:
+            if "none" in compressors:
+                runs.append(Run(task, "none", None, seed))
+            for d in densities:
+                runs += [Run(task, c, d, seed) for c in MAIN if c in compressors]
+                if seed == seeds[0] and d == densities[0]:
+                    runs += [Run(task, c, d, seed) for c in OTHERS if c in compressors]
+    return runs
+
+
+def sparsified_shapes(config: Path) -> list[tuple[int, ...]]:
+    cfg = yaml.safe_load(config.read_text())
+    model = build(cfg["model"], cfg.get("model_args", {}))
+    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
+    routes = policy.plan(model.named_parameters())
+    return [tuple(p.shape) for n, p in model.named_parameters() if not routes[n].dense]
 
 
 def sparse_bytes(name: str, ratio: float, shapes: list[tuple[int, ...]]) -> float:
@@ -42,7 +90,11 @@ def sparse_bytes(name: str, ratio: float, shapes: list[tuple[int, ...]]) -> floa
     return total / 2
 
 
-def matching_ratio(name: str, target: float, shapes: list[tuple[int, ...]]) -> float:
+def matching_ratio(name: str, density: float, shapes: list[tuple[int, ...]]) -> float:
+    """The density at which ``name``'s payloads weigh what ADTopk's do at ``density``."""
+    if name == "adtopk":
+        return density
+    target = sparse_bytes("adtopk", density, shapes)
     lo, hi = math.log(1e-5), 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -53,88 +105,227 @@ def matching_ratio(name: str, target: float, shapes: list[tuple[int, ...]]) -> f
     return math.exp((lo + hi) / 2)
 
 
-def run(config: Path, compressor: str, ratio: float | None, workers: int, servers: int,
-        workdir: Path) -> dict:
-    tag = compressor if ratio is None else f"{compressor}-{ratio:.6f}"
-    metrics, summary = workdir / f"{tag}.jsonl", workdir / f"{tag}.json"
-    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(workers),
-           "--num-servers", str(servers), "--timeout", "1800", "--", sys.executable, "-m", "worker",
-           "--config", str(config), "--compressor", compressor, "--metrics", str(metrics),
-           "--metrics-out", str(summary), "--set", "eval_every=10", "--set", "progress=false"]
+def execute(run: Run, ratio: float | None, args: argparse.Namespace, results: Path) -> dict:
+    metrics = results / f"{run.tag}.jsonl"
+    summary = results / f"{run.tag}.summary.json"
+    metrics.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(args.workers),
+           "--num-servers", str(args.servers), "--timeout", str(args.run_timeout), "--",
+           sys.executable, "-m", "worker", "--config", str(TASKS[run.task]), "--compressor",
+           run.compressor, "--seed", str(run.seed), "--metrics", str(metrics), "--metrics-out",
+           str(summary), "--set", "progress=false"]
     if ratio is not None:
         cmd += ["--ratio", repr(ratio)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1900, cwd=ROOT)
+    if args.device:
+        cmd += ["--set", f"device={args.device}"]
+    for item in args.set:
+        cmd += ["--set", item]
+    began = time.time()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout + 60, cwd=ROOT)
     if out.returncode != 0:
-        raise RuntimeError(f"{tag} failed ({out.returncode}):\n{out.stdout[-3000:]}")
-    curve = [json.loads(line) for line in metrics.read_text().splitlines()]
-    result = json.loads(summary.read_text())
-    result.update(curve=curve, best=max(r["accuracy"] for r in curve), ratio=ratio)
-    return result
+        raise RuntimeError(f"{run.tag} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
+    record = {"task": run.task, "compressor": run.compressor, "density": run.density,
+              "seed": run.seed, "ratio": ratio, "summary": json.loads(summary.read_text()),
+              "curve": [json.loads(line) for line in metrics.read_text().splitlines()],
+              "elapsed_s": time.time() - began, "device": args.device or "auto"}
+    metrics.unlink()
+    summary.unlink()
+    return record
 
 
-def plot(results: dict, density: float, out: Path) -> None:
+# ---- the report ---------------------------------------------------------------------------
+
+def score(task: str, point: dict) -> float:
+    """What is compared: test accuracy in % (higher is better), or the LM's test loss in bits
+    per byte (lower is better)."""
+    return 100 * point["accuracy"] if task == "fashion" else point["test_loss"] / math.log(2)
+
+
+def higher_is_better(task: str) -> bool:
+    return task == "fashion"
+
+
+def spread(values: list[float]) -> tuple[float, float, float, float]:
+    """Mean, sample standard deviation (0 for one value), min and max."""
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return statistics.mean(values), sd, min(values), max(values)
+
+
+def welch(a: list[float], b: list[float]) -> tuple[float, float] | None:
+    """Mean difference a - b and the half-width of its 95% interval (Welch), or None where a
+    side has fewer than two seeds."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    from scipy import stats
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.mean(a) - statistics.mean(b)
+    if va + vb == 0:
+        return diff, 0.0
+    dof = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
+    return diff, stats.t.ppf(0.975, dof) * math.sqrt(va + vb)
+
+
+def load_results(results: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))
+            if not p.name.endswith(".summary.json")]
+
+
+def groups(records: list[dict], task: str, density: float) -> dict[str, list[dict]]:
+    """Runs of one task at one density, by method (dense in every density's table)."""
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        if r["task"] == task and (r["density"] is None or r["density"] == density):
+            out.setdefault("dense" if r["density"] is None else r["compressor"], []).append(r)
+    order = ["dense", *MAIN, *OTHERS]
+    return {k: out[k] for k in order if k in out}
+
+
+def best_of(task: str, r: dict) -> float:
+    values = [score(task, p) for p in r["curve"]]
+    return max(values) if higher_is_better(task) else min(values)
+
+
+def final_of(task: str, r: dict) -> float:
+    s = r["summary"]
+    return score(task, {"accuracy": s["accuracy"], "test_loss": s["loss"]})
+
+
+def table(task: str, density: float, by_method: dict[str, list[dict]]) -> list[str]:
+    what = "test accuracy (%)" if higher_is_better(task) else "test loss (bits per byte)"
+    lines = [f"### {task}, density {density:g}: {what}", "",
+             "| method | seeds | ratio used | final: mean ± sd [min, max] | best: mean ± sd "
+             "| MiB pushed per worker | wall s |", "|---|---:|---:|---|---|---:|---:|"]
+    for method, runs in by_method.items():
+        final = spread([final_of(task, r) for r in runs])
+        best = spread([best_of(task, r) for r in runs])
+        ratio = "-" if runs[0]["ratio"] is None else f"{runs[0]['ratio']:.5f}"
+        mib = statistics.mean(r["summary"]["bytes_pushed"] for r in runs) / 2**20
+        wall = statistics.mean(r["summary"]["wall_s"] for r in runs)
+        lines.append(f"| {method} | {len(runs)} | {ratio} | {final[0]:.3f} ± {final[1]:.3f} "
+                     f"[{final[2]:.3f}, {final[3]:.3f}] | {best[0]:.3f} ± {best[1]:.3f} "
+                     f"| {mib:.1f} | {wall:.0f} |")
+    return lines + [""]
+
+
+def verdicts(task: str, density: float, by_method: dict[str, list[dict]]) -> list[str]:
+    """Which differences in final score are larger than the seeds' spread: the 95% interval of
+    the difference in means (Welch) excludes zero."""
+    finals = {m: [final_of(task, r) for r in runs] for m, runs in by_method.items()}
+    pairs = [(m, "dense") for m in finals if m != "dense"] + [("adtopk", "topk"), ("adtopk-i", "topk")]
+    higher = higher_is_better(task)
+    lines = []
+    for a, b in pairs:
+        if a not in finals or b not in finals:
+            continue
+        found = welch(finals[a], finals[b])
+        if found is None:
+            lines.append(f"- {a} vs {b}: {statistics.mean(finals[a]) - statistics.mean(finals[b]):+.3f} "
+                         "with one seed on a side: no spread to judge it by.")
+            continue
+        diff, half = found
+        plain = "not larger than the spread"
+        if abs(diff) > half:
+            plain = f"larger than the spread: {a} is {'better' if (diff > 0) == higher else 'worse'}"
+        lines.append(f"- {a} vs {b}: {diff:+.3f} ± {half:.3f} (95%): {plain}.")
+    return lines + [""] if lines else []
+
+
+def chart(task: str, density: float, by_method: dict[str, list[dict]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, r in results.items():
-        steps = [c["step"] for c in r["curve"]]
-        acc = [100 * c["accuracy"] for c in r["curve"]]
-        by_step.plot(steps, acc, label=label, lw=2.5 if label.startswith("adtopk") else 1.2)
-        by_bytes.plot([c["bytes_pushed"] / 2**20 for c in r["curve"]], acc, label=label,
-                      lw=2.5 if label.startswith("adtopk") else 1.2)
-    by_step.set(xlabel="step", ylabel="test accuracy (%)", title=f"accuracy vs step, density {density}")
-    by_bytes.set(xlabel="MiB pushed per worker", ylabel="test accuracy (%)", xscale="log",
-                 title=f"accuracy vs bytes, density {density}")
+    for method, runs in by_method.items():
+        steps = sorted({p["step"] for r in runs for p in r["curve"]})
+        common = [s for s in steps if all(any(p["step"] == s for p in r["curve"]) for r in runs)]
+        values = [[score(task, next(p for p in r["curve"] if p["step"] == s)) for r in runs] for s in common]
+        mean = [statistics.mean(v) for v in values]
+        lo, hi = [min(v) for v in values], [max(v) for v in values]
+        mib = [statistics.mean(next(p for p in r["curve"] if p["step"] == s)["bytes_pushed"]
+                               for r in runs) / 2**20 for s in common]
+        width = 2.5 if method.startswith("adtopk") else 1.2
+        for ax, x in ((by_step, common), (by_bytes, mib)):
+            line, = ax.plot(x, mean, lw=width, label=f"{method} ({len(runs)} seed{'s' * (len(runs) > 1)})")
+            if len(runs) > 1:
+                ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.18, lw=0)
+    ylabel = "test accuracy (%)" if higher_is_better(task) else "test loss (bits per byte)"
+    by_step.set(xlabel="step", ylabel=ylabel, title=f"{task}, density {density:g}: mean, band min..max over seeds")
+    by_bytes.set(xlabel="MiB pushed per worker", ylabel=ylabel, xscale="log", title="against bytes sent")
     for ax in (by_step, by_bytes):
-        ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
-    by_bytes.legend(fontsize=8, loc="lower right")
+        if higher_is_better(task):
+            ax.set_ylim(60, 95)
+    by_bytes.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def report(records: list[dict], args: argparse.Namespace) -> str:
+    lines = ["# Convergence at equal bytes", "",
+             f"Made by `python benchmarks/convergence.py` ({len(records)} runs stored in "
+             f"`{Path(args.results).relative_to(ROOT) if Path(args.results).is_relative_to(ROOT) else args.results}`). "
+             "Final = at the last step; best = the best evaluation along the way. The band in each "
+             "chart runs from the lowest to the highest seed.", ""]
+    for task in args.tasks:
+        shapes = sparsified_shapes(TASKS[task])
+        lines += [f"## {task} (`{TASKS[task].name}`); sparsified layers: {shapes}", ""]
+        for density in args.densities:
+            by_method = groups(records, task, density)
+            if not by_method:
+                continue
+            name = f"convergence-{task}-{density:g}.png"
+            chart(task, density, by_method, Path(args.out) / name)
+            lines += table(task, density, by_method) + verdicts(task, density, by_method)
+            lines += [f"![{task} at density {density:g}]({name})", ""]
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "configs" / "digits-cnn.yaml"))
+    ap.add_argument("--tasks", nargs="*", default=list(TASKS), choices=list(TASKS))
     ap.add_argument("--densities", nargs="*", type=float, default=[0.01, 0.001])
-    ap.add_argument("--compressors", nargs="*", default=SPARSIFIERS)
+    ap.add_argument("--seeds", nargs="*", type=int, default=[0, 1, 2])
+    ap.add_argument("--compressors", nargs="*", default=["none", *MAIN, *OTHERS],
+                    choices=["none", *MAIN, *OTHERS])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                    help="the job config's device (default: the config's own)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed on to every run's job (a smoke test's short runs, say)")
+    ap.add_argument("--run-timeout", type=int, default=3600, dest="run_timeout",
+                    help="seconds one training run may take")
+    ap.add_argument("--shard", default="1/1", help="I/N: run every N-th pending run, starting at the I-th")
+    ap.add_argument("--results", default=str(ROOT / "docs" / "convergence-runs"))
     ap.add_argument("--out", default=str(ROOT / "docs"))
+    ap.add_argument("--report", action="store_true", help="only report what is stored")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = yaml.safe_load(Path(args.config).read_text())
-    model = build(cfg["model"], cfg.get("model_args", {}))
-    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
-    routes = policy.plan(model.named_parameters())
-    shapes = [tuple(p.shape) for n, p in model.named_parameters() if not routes[n].dense]
-    lines = [f"Config `{Path(args.config).name}`, {args.workers} workers x {args.servers} servers, "
-             f"seed {cfg.get('seed', 0)}; sparsified layers: {shapes}", ""]
-    with tempfile.TemporaryDirectory() as tmp:
-        dense = run(Path(args.config), "none", None, args.workers, args.servers, Path(tmp))
-        for density in args.densities:
-            target = sparse_bytes("adtopk", density, shapes)
-            results = {"dense": dense}
-            for name in args.compressors:
-                ratio = density if name == "adtopk" else matching_ratio(name, target, shapes)
-                results[f"{name}"] = run(Path(args.config), name, ratio, args.workers, args.servers,
-                                         Path(tmp))
-                print(f"density {density}: {name} done", flush=True)
-            plot(results, density, out / f"convergence-{density}.png")
-            lines += [f"#### Density {density} (ADTopk's sparse payloads: {target:,.0f} bytes per step)",
-                      "", "| compressor | ratio used | final acc. | best acc. | vs dense (final) "
-                      "| MiB pushed per worker | wall s |", "|---|---:|---:|---:|---:|---:|---:|"]
-            for label, r in results.items():
-                ratio = "-" if r["ratio"] is None else f"{r['ratio']:.5f}"
-                lines.append(f"| {label} | {ratio} | {100 * r['accuracy']:.2f} | {100 * r['best']:.2f} "
-                             f"| {100 * (r['accuracy'] - dense['accuracy']):+.2f} "
-                             f"| {r['bytes_pushed'] / 2**20:.2f} | {r['wall_s']:.1f} |")
-            lines.append("")
-    text = "\n".join(lines)
-    (out / "convergence.md").write_text(text + "\n")
+    index, _, count = args.shard.partition("/")
+    if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
+        ap.error(f"--shard {args.shard!r}: must be I/N with 1 <= I <= N")
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        pending = [r for r in plan(args.tasks, args.densities, args.seeds, args.compressors)
+                   if not (results / f"{r.tag}.json").exists()]
+        mine = pending[int(index) - 1::int(count)]
+        print(f"{len(pending)} run(s) pending; this shard runs {len(mine)}", flush=True)
+        ratios: dict[tuple[str, str, float], float] = {}
+        for i, run in enumerate(mine, 1):
+            ratio = None
+            if run.density is not None:
+                key = (run.task, run.compressor, run.density)
+                if key not in ratios:
+                    ratios[key] = matching_ratio(run.compressor, run.density, sparsified_shapes(TASKS[run.task]))
+                ratio = ratios[key]
+            record = execute(run, ratio, args, results)
+            (results / f"{run.tag}.json").write_text(json.dumps(record) + "\n")
+            s = record["summary"]
+            print(f"[{i}/{len(mine)}] {run.tag}: accuracy {s['accuracy']:.4f} loss {s['loss']:.4f} "
+                  f"in {record['elapsed_s']:.0f} s", flush=True)
+    text = report(load_results(results), args)
+    Path(args.out, "convergence.md").write_text(text + "\n")
     print(text)
 
 

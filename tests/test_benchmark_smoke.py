@@ -1,4 +1,5 @@
 """The benchmarks run and report what they promise (figures are not asserted)."""
+import json
 import os
 import re
 import subprocess
@@ -120,3 +121,25 @@ def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
     assert e2e.interval(noisy) == (low, high)  # seeded: the report does not move between renders
     fewer_low, fewer_high = e2e.interval(noisy[:10])
     assert fewer_high - fewer_low > high - low  # fewer rounds, less certainty
+
+
+def test_convergence_study_resumes_and_reports(tmp_path):
+    """Two short runs stored, a second call that skips them, and a report with bands."""
+    argv = [sys.executable, "benchmarks/convergence.py", "--tasks", "fashion", "--densities", "0.01",
+            "--compressors", "none", "adtopk", "--seeds", "0", "1", "--results", str(tmp_path / "runs"),
+            "--out", str(tmp_path), "--workers", "2", "--servers", "1", "--set", "steps=8",
+            "--set", "eval_every=4", "--set", "dataset_args={train_limit: 512, test_limit: 256}"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "4 run(s) pending" in first.stdout
+    stored = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert stored == ["fashion-adtopk-d0.01-s0.json", "fashion-adtopk-d0.01-s1.json",
+                      "fashion-dense-s0.json", "fashion-dense-s1.json"]
+    record = json.loads((tmp_path / "runs" / stored[0]).read_text())
+    assert record["summary"]["steps"] == 8 and [p["step"] for p in record["curve"]] == [4, 8]
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "0 run(s) pending" in again.stdout
+    report = (tmp_path / "convergence.md").read_text()
+    assert "| adtopk | 2 |" in report and "| dense | 2 |" in report
+    assert "- adtopk vs dense:" in report
+    assert (tmp_path / "convergence-fashion-0.01.png").stat().st_size > 10_000

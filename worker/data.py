@@ -1,5 +1,6 @@
-"""Datasets that need no download: scikit-learn's digits, Python's own source as text,
-and synthetic inputs for throughput runs. Every worker trains on its own shard."""
+"""Datasets that need no download: scikit-learn's digits, Fashion-MNIST from Debian's
+package, Python's own source as text, and synthetic inputs for throughput runs. Every
+worker trains on its own shard."""
 from __future__ import annotations
 
 import inspect
@@ -8,6 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.functional import pad as nn_pad
+
+from .idx import read_idx
+
+FASHION_MNIST = "/usr/share/datasets/fashion-mnist"
+FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                 "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+# the training images' mean and standard deviation, over all 60,000 of them
+FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+
+
+class DatasetUnavailable(ValueError):
+    """A dataset whose files are not on this machine."""
 
 
 @dataclass
@@ -45,6 +59,44 @@ def digits(seed: int) -> Dataset:
     return Dataset(x[train], y[train], x[test], y[test], "classify")
 
 
+def fashion_files(root: str = FASHION_MNIST) -> list[Path]:
+    """Fashion-MNIST's four IDX files; raises :class:`DatasetUnavailable` naming the package
+    that installs them when any is missing."""
+    paths = [Path(root) / name for name in FASHION_FILES]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        how = ("install Debian's package: apt-get install dataset-fashion-mnist"
+               if root == FASHION_MNIST else "point dataset_args.root at a folder that holds them")
+        raise DatasetUnavailable(f"Fashion-MNIST: {', '.join(missing)} not found in {root}; {how}")
+    return paths
+
+
+def fashion_mnist(root: str = FASHION_MNIST, train_limit: int = 60000, test_limit: int = 10000,
+                  side: int = 28) -> Dataset:
+    """Fashion-MNIST's 28x28 grey images of 10 kinds of clothing, normalised.
+
+    ``train_limit`` and ``test_limit`` keep the first so many of each set (tests train on a
+    slice); ``side`` > 28 pads the images with the background, for models laid out for 32x32.
+    """
+    check_available("fashion-mnist", {"root": root, "side": side})
+    train_x, train_y, test_x, test_y = (read_idx(p) for p in fashion_files(root))
+    for images, labels, what in ((train_x, train_y, "training"), (test_x, test_y, "test")):
+        if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
+            raise DatasetUnavailable(f"Fashion-MNIST in {root}: the {what} images "
+                                     f"{list(images.shape)} and labels {list(labels.shape)} do not match")
+
+    def prepared(images: torch.Tensor, limit: int) -> torch.Tensor:
+        x = (images[:limit].to(torch.float32).unsqueeze(1) / 255.0 - FASHION_MEAN) / FASHION_STD
+        pad = side - 28
+        if pad:
+            background = -FASHION_MEAN / FASHION_STD
+            x = nn_pad(x, (pad // 2, pad - pad // 2, pad // 2, pad - pad // 2), value=background)
+        return x.contiguous()
+
+    return Dataset(prepared(train_x, train_limit), train_y[:train_limit].to(torch.int64),
+                   prepared(test_x, test_limit), test_y[:test_limit].to(torch.int64), "classify")
+
+
 def python_source(context: int = 64, limit_bytes: int = 2_000_000) -> Dataset:
     """Byte-level language modelling on the standard library's own .py files."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -68,7 +120,16 @@ def synthetic_images(seed: int, count: int = 2048, side: int = 32, classes: int 
     return Dataset(x, y, x[:256], y[:256], "classify")
 
 
-DATASETS = {"digits": digits, "pysource": python_source, "synthetic-images": synthetic_images}
+DATASETS = {"digits": digits, "fashion-mnist": fashion_mnist, "pysource": python_source, "synthetic-images": synthetic_images}
+
+
+def check_available(name: str, spec: dict) -> None:
+    """Raise :class:`DatasetUnavailable` where the dataset's files or arguments cannot work, so
+    that a worker says so before it joins the cluster rather than after."""
+    if name == "fashion-mnist":
+        fashion_files(spec.get("root", FASHION_MNIST))
+        if spec.get("side", 28) < 28:
+            raise DatasetUnavailable(f"Fashion-MNIST: side={spec['side']} is smaller than its 28x28 images")
 
 
 def load(name: str, seed: int, spec: dict | None = None) -> Dataset:

@@ -16,7 +16,7 @@ import torch
 
 from adtopk_ps.compression import COMPRESSORS, create, parameters
 
-from .data import DATASETS
+from .data import DATASETS, DatasetUnavailable, check_available
 from .models import MODELS
 
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
@@ -104,6 +104,8 @@ def _kwargs(key: str, given: Any, fn: Callable, skip: tuple[str, ...] = ()) -> N
             _fail(f"{key}.{name}", value, "must be an integer >= 1")
         if isinstance(default, float) and (not _is_number(value) or value <= 0):
             _fail(f"{key}.{name}", value, "must be a number > 0")
+        if isinstance(default, str) and not isinstance(value, str):
+            _fail(f"{key}.{name}", value, "must be a string")
 
 
 def model_args(key: str, value: Any, cfg: Mapping) -> None:
@@ -112,6 +114,10 @@ def model_args(key: str, value: Any, cfg: Mapping) -> None:
 
 def dataset_args(key: str, value: Any, cfg: Mapping) -> None:
     _kwargs(key, value, DATASETS[cfg["dataset"]], skip=("seed",))
+    try:
+        check_available(cfg["dataset"], value)
+    except DatasetUnavailable as exc:
+        raise ConfigError(f"config key dataset={cfg['dataset']!r}: {exc}") from None
 
 
 def optimizer(key: str, value: Any, _cfg: Mapping) -> None:
