@@ -21,7 +21,8 @@ import msgpack
 
 from .compression.payload import Payload, PayloadError
 
-PROTOCOL = 1
+#: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
+PROTOCOL = 2
 
 #: ops a header may name; ``TENSOR_OPS`` carry a payload.
 TENSOR_OPS = frozenset({"push", "result"})

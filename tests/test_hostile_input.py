@@ -61,7 +61,7 @@ def _hostile_messages(honest_key):
     bad_index[0] = 200  # the axis is 40 long
     return {
         "garbage": ([b"\x00\xff\x13"], "not valid msgpack"),
-        "protocol": (with_header(v=2), "protocol version 2"),
+        "protocol": (with_header(v=1), "protocol version 1 is not supported"),  # before seeded.py
         "dtype": (with_header(vdtype="int64"), "vdtype 'int64' not allowed"),
         "index": ([push[0], push[1], bytes(bad_index)], "index out of range"),
         "truncated": ([push[0], push[1][:-3], push[2]], "values frame has"),

@@ -16,12 +16,14 @@ from typing import Sequence
 import msgpack
 import torch
 
+from .seeded import seeded_indices
+
 #: Codecs a payload may carry.
 #:  dense  - every element, in order
 #:  fibre  - ``values``/``indices`` of shape ``[view[0], k, *view[2:]]``, indices
 #:           are positions along axis 1 of ``view`` (ADTopk)
 #:  coo    - flat positions into the tensor and their values
-#:  seeded - values only; positions are regenerated from ``seed`` (random-k)
+#:  seeded - values only; positions are regenerated from ``seed`` (random-k, see seeded.py)
 CODECS = ("dense", "fibre", "coo", "seeded")
 
 #: dtypes allowed on the wire, by name.
@@ -64,25 +66,6 @@ def index_dtype(length: int) -> torch.dtype:
     if length <= 1 << 31:
         return torch.int32
     return torch.int64
-
-
-def seeded_indices(seed: int, numel: int, k: int, device: torch.device) -> torch.Tensor:
-    """``k`` distinct positions in ``[0, numel)`` drawn deterministically from ``seed``.
-
-    Every worker and the server draw the same positions for the same seed,
-    which is why random-k needs to send no indices. Draws a little more than
-    ``k`` with replacement and deduplicates, avoiding an O(numel) permutation.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    if 2 * k >= numel:
-        picked = torch.randperm(numel, generator=gen)[:k]
-    else:
-        picked = torch.empty(0, dtype=torch.int64)
-        while picked.numel() < k:
-            draw = torch.randint(0, numel, (k + k // 8 + 16,), generator=gen)
-            picked = torch.unique(torch.cat([picked, draw]))
-        picked = picked[torch.randperm(picked.numel(), generator=gen)[:k]]
-    return picked.to(device)
 
 
 def seed_for(name: str, step: int, base: int = 0) -> int:

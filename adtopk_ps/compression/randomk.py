@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from .base import Compressor, flat_of, global_k
-from .payload import Payload, seed_for, seeded_indices
+from .payload import Payload, seed_for
+from .seeded import seeded_values
 from .select import all_finite
 
 
@@ -22,7 +23,6 @@ class RandomK(Compressor):
         flat = flat_of(tensor)
         k = global_k(flat.numel(), self._ratio(ratio))
         seed = seed_for(name, step, self.seed)
-        positions = seeded_indices(seed, flat.numel(), k, flat.device)
         # the k values sent are all it reads otherwise: a NaN or an infinity elsewhere costs a read
         return Payload("seeded", tuple(tensor.shape), tensor.dtype,
-                       self._values(flat[positions]), seed=seed, nonfinite=not all_finite(flat))
+                       self._values(seeded_values(seed, flat, k)), seed=seed, nonfinite=not all_finite(flat))
