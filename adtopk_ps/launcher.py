@@ -107,6 +107,8 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
         "PYTHONUNBUFFERED": "1",
     })
+    if "OMP_NUM_THREADS" not in base:  # workers sharing a host's cores would otherwise each take all
+        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     lock = threading.Lock()
     children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),

@@ -313,3 +313,22 @@ def test_interrupting_bpslaunch_stops_every_role_within_2_s_with_one_line_each(s
     while _alive_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _alive_with(marker) == []
+
+
+def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
+    """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept. (The
+    workers end with status 5 once both have printed: the servers would otherwise wait for them
+    to join.)"""
+    program = ("import os, sys, time, pathlib; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); "
+               f"d = pathlib.Path({str(tmp_path)!r}) / os.environ['OMP_NUM_THREADS']; d.mkdir(exist_ok=True); "
+               "(d / os.environ['DMLC_WORKER_ID']).touch(); end = time.time() + 20\n"
+               "while len(list(d.iterdir())) < 2 and time.time() < end: time.sleep(0.05)\n"
+               "sys.exit(5)")
+    clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    expected = str(max(1, (os.cpu_count() or 1) // 2))
+    for env, threads in ((clean, expected), ({**clean, "OMP_NUM_THREADS": "3"}, "3")):
+        run = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
+                              "2", "--num-servers", "1", "--", sys.executable, "-c", program],
+                             env={**env, **FAST}, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 5, run.stdout
+        assert re.findall(r"\[worker \d\] threads (\d+)", run.stdout) == [threads] * 2, run.stdout
