@@ -107,8 +107,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
         "PYTHONUNBUFFERED": "1",
     })
-    if "OMP_NUM_THREADS" not in base:  # workers sharing a host's cores would otherwise each take all
-        base["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+    share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     lock = threading.Lock()
     children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),
@@ -201,6 +200,13 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
     return min(failures)[1] if failures else 0
 
 
+def share_cores(env: dict, workers: int) -> None:
+    """Give each of ``workers`` processes on this host its share of the cores, unless the user
+    set OMP_NUM_THREADS: each would otherwise take them all, and they would slow each other."""
+    if "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+
+
 def local_size(environ: Mapping[str, str]) -> int:
     """Worker processes for this host: BYTEPS_LOCAL_SIZE, else one per visible GPU, else 1."""
     if environ.get("BYTEPS_LOCAL_SIZE", "").strip():
@@ -225,6 +231,8 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)
     env["BYTEPS_LOCAL_SIZE"] = str(size)
+    if size > 1:
+        share_cores(env, size)
     ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract
     lock = threading.Lock()
     children = [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
