@@ -33,14 +33,33 @@ def _order_rank(sel, tail_sel, by_group):
 
 
 @triton.jit
-def _key(x, valid, BITS: tl.constexpr, INF_KEY: tl.constexpr):
-    """|x| as an integer that orders like it (NaN as an infinity); -1 where not valid."""
+def _magnitude(x, BITS: tl.constexpr):
+    """The bits of |x|, an integer that orders like |x| (a NaN's is above an infinity's);
+    read from the bits, since the interpreter compares 16-bit floats by their bits."""
     if BITS == 31:
         bits = x.to(tl.int32, bitcast=True)
     else:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32)
-    key = tl.minimum(bits & ((1 << BITS) - 1), INF_KEY)
-    return tl.where(valid, key, -1)
+    return bits & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _key(magnitude, valid, INF_KEY: tl.constexpr):
+    """The selection key: |x| with a NaN as an infinity; -1 where not valid."""
+    return tl.where(valid, tl.minimum(magnitude, INF_KEY), -1)
+
+
+@triton.jit
+def _add(x, grad, DT: tl.constexpr):
+    """``x + grad`` rounded to ``DT`` as torch rounds it: in float32, then to nearest even
+    (done on the bits for bfloat16, whose cast the interpreter truncates), a NaN as 0x7FC0."""
+    total = x.to(tl.float32) + grad.to(tl.float32)
+    if DT == tl.bfloat16:
+        bits = total.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(total != total, 0x7FC0, rounded)
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return total.to(DT)
 
 
 @triton.jit
@@ -82,8 +101,9 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     x = tl.load(x_ptr + x_at, mask=valid, other=0.0)
     if FEEDBACK:
         grad = tl.load(g_ptr + (a3 * sga + pos * sgn + j3 * sgr), mask=valid, other=0.0)
-        x = (x.to(tl.float32) + grad.to(tl.float32)).to(DT)
-    key = _key(x, valid, BITS, INF_KEY)
+        x = _add(x, grad, DT)
+    magnitude = _magnitude(x, BITS)
+    key = _key(magnitude, valid, INF_KEY)
 
     # the tail: positions g*m .. n-1
     t2 = tl.arange(0, TB).to(tl.int64)[None, :]
@@ -94,8 +114,8 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     tx = tl.load(x_ptr + tx_at, mask=tvalid, other=0.0)
     if FEEDBACK:
         tgrad = tl.load(g_ptr + (a2 * sga + tpos * sgn + j2 * sgr), mask=tvalid, other=0.0)
-        tx = (tx.to(tl.float32) + tgrad.to(tl.float32)).to(DT)
-    tkey = _key(tx, tvalid, BITS, INF_KEY)
+        tx = _add(tx, tgrad, DT)
+    tkey = _key(_magnitude(tx, BITS), tvalid, INF_KEY)
 
     if SMALL:
         # k <= 2 and k < n (no tail): the largest, then the next, lower positions first
@@ -122,7 +142,7 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
         kth3, kth2 = kth[:, None, None], kth[:, None]
         above, tabove = key > kth3, tkey > kth2
         need = k - (_sum2(above.to(tl.int32)) + tl.sum(tabove.to(tl.int32), 1))
-        nans = _sum2(((x != x) & valid).to(tl.int32))
+        nans = _sum2(((magnitude > INF_KEY) & valid).to(tl.int32))
         by_group = (g > 1) & (nans == 0)
         tie, ttie = key == kth3, tkey == kth2
         tie_rank, ttie_rank = _order_rank(tie, ttie, by_group)

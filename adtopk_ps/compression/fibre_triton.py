@@ -70,12 +70,17 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+# CPU tensors take the kernel too (under Triton's interpreter): for tests of the wiring only,
+# the CPU path is select.py's
+CPU_TENSORS = False
+
+
 def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel can select from ``x``: a CUDA tensor of a supported dtype (or any
-    device under Triton's interpreter), with triton importable."""
+    """Whether the kernel can select from ``x``: a CUDA tensor of a supported dtype, with
+    triton importable."""
     if x.dtype not in DTYPES or x.dim() < 2:
         return False
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and interpreted()):
+    if x.device.type != "cuda" and not (CPU_TENSORS and x.device.type == "cpu" and interpreted()):
         return False
     return _triton() is not None
 
@@ -156,33 +161,26 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
         key = (small, g, 1 << max(0, (m - 1).bit_length()), tail, layout[i][3].itemsize,
                item.grad is not None)
         groups.setdefault(key, []).append(i)
-    # per launch: its table, programs, flags
-    launches, programs = [], 0
+    # programs are numbered across launches: item i owns flags[starts[i]:starts[i] + spans[i]]
+    launches, starts, spans, programs = [], {}, {}, 0
     for key, members in groups.items():
         small, g_tile, mb, tail, _, _ = key
-        fb = 1 << max(0, (max(1, _TILE // (g_tile * mb))).bit_length() - 1)
-        most = max(_three_d(items[i].x).shape[0] * _three_d(items[i].x).shape[2] for i in members)
+        fb = 1 << (max(1, _TILE // (g_tile * mb)).bit_length() - 1)
+        most = max(_fibres(items[i].x) for i in members)
         fb = min(fb, 1 << max(0, (most - 1).bit_length()))
         launches.append((key, members, fb, programs))
-        programs += sum(-(-_fibres(items[i].x) // fb) for i in members)
+        for i in members:
+            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // fb)
+            programs += spans[i]
     flags_at = at
     total = aligned(flags_at + programs)
     buffer = stage.device_buffer(total)
     for key, members, fb, first_program in launches:
-        _launch(kernel, tl, key, members, fb, first_program, items, layout, buffer, flags_at,
-                stage, dtype)
+        _launch(kernel, tl, key, members, fb, items, layout, buffer,
+                buffer[flags_at + first_program:], stage, dtype)
     host = stage.to_host(total)
     stage.wait()
-    flags = host[flags_at:flags_at + programs]
-    results, pid = [], 0
-    per_item_flags: dict[int, bool] = {}
-    for key, members, fb, first_program in launches:
-        for i in members:
-            span = -(-_fibres(items[i].x) // fb)
-            per_item_flags[i] = bool(flags[first_program + pid:first_program + pid + span].any()) \
-                if span else False
-            pid += span
-        pid = 0
+    results = []
     for i, item in enumerate(items):
         values_at, indices_at, count, idt = layout[i]
         shape = (item.x.shape[0], item.k, *item.x.shape[2:])
@@ -191,7 +189,7 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
             _region(buffer, indices_at, count, idt).view(shape),
             _region(host, values_at, count, dtype).view(shape),
             _region(host, indices_at, count, idt).view(shape),
-            per_item_flags[i]))
+            bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any())))
     return results
 
 
@@ -207,8 +205,7 @@ _TL_OF = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "b
 _TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
 
 
-def _launch(kernel, tl, key, members, fb, first_program, items, layout, buffer, flags_at, stage,
-            dtype) -> None:
+def _launch(kernel, tl, key, members, fb, items, layout, buffer, flags, stage, dtype) -> None:
     small, g_tile, mb, tail, index_bytes, feedback = key
     rows, owners, pid = [], [], 0
     base = buffer.data_ptr()
@@ -230,7 +227,7 @@ def _launch(kernel, tl, key, members, fb, first_program, items, layout, buffer, 
     table = stage.table(rows + owners)
     warps = 4 if g_tile * mb * fb <= 2048 else 8 if g_tile * mb * fb <= 8192 else 16
     kernel[(pid,)](
-        table, len(rows), buffer[flags_at + first_program:],
+        table, len(rows), flags,
         DT=getattr(tl, _TL_OF[dtype]), IDT=getattr(tl, _TL_INDEX[index_bytes]),
         BITS=_BITS[dtype], INF_KEY=_INF_KEY[dtype], FB=fb, G=g_tile, MB=mb, TB=tail,
         SMALL=small, FEEDBACK=feedback, W=_COLUMNS, num_warps=warps)
