@@ -120,3 +120,14 @@ def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
     assert e2e.interval(noisy) == (low, high)  # seeded: the report does not move between renders
     fewer_low, fewer_high = e2e.interval(noisy[:10])
     assert fewer_high - fewer_low > high - low  # fewer rounds, less certainty
+
+
+def test_compression_benchmark_times_a_gradient_set_on_a_device():
+    # --device prints the whole-set table with its reference columns (cpu here: no kernel)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compression.py"), "--device", "cpu",
+         "--sets", "tiny", "--densities", "0.01", "--budget", "0.01"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+    row = re.search(r"^\| tiny \(0\.5 M\) \| 3 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| - \|",
+                    out, re.M)
+    assert row and all(float(v) > 0 for v in row.groups()), out

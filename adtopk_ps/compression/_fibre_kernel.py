@@ -52,7 +52,8 @@ def _key(magnitude, valid, INF_KEY: tl.constexpr):
 @triton.jit
 def _add(x, grad, DT: tl.constexpr):
     """``x + grad`` rounded to ``DT`` as torch rounds it: in float32, then to nearest even
-    (done on the bits for bfloat16, whose cast the interpreter truncates), a NaN as 0x7FC0."""
+    (done on the bits for bfloat16, whose cast the interpreter truncates). A NaN stays a NaN;
+    its bits, like those of NaNs torch makes, are not part of the contract."""
     total = x.to(tl.float32) + grad.to(tl.float32)
     if DT == tl.bfloat16:
         bits = total.to(tl.int32, bitcast=True)
