@@ -282,3 +282,9 @@ def test_interpreted_tests_pass_in_a_subprocess():
                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+@interpreter_only
+def test_empty_tensors_keep_the_cpu_path(cpu_kernel):
+    p = create("adtopk", ratio=0.01).compress(torch.zeros(4, 0, 3), "w")
+    assert p.host is None and p.values.shape == (4, 0, 3)

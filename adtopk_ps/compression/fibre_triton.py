@@ -78,7 +78,7 @@ CPU_TENSORS = False
 def applies(x: torch.Tensor) -> bool:
     """Whether the kernel can select from ``x``: a CUDA tensor of a supported dtype, with
     triton importable."""
-    if x.dtype not in DTYPES or x.dim() < 2:
+    if x.dtype not in DTYPES or x.dim() < 2 or x.numel() == 0:  # empty: select.py's arange
         return False
     if x.device.type != "cuda" and not (CPU_TENSORS and x.device.type == "cpu" and interpreted()):
         return False
