@@ -8,6 +8,7 @@ those, so the noise of a shared machine mostly cancels.
 
     python benchmarks/compression.py                 # the full table
     python benchmarks/compression.py --shapes 256x256 --densities 0.01
+    python benchmarks/compression.py --device cuda   # whole gradient sets on a device
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from adtopk_ps.compression import create
+from adtopk_ps.compression import SparsificationPolicy, create, fibre_triton
+from adtopk_ps.compression.staging import Stage
 
 SHAPES = {
     "spec": [(4096, 4096), (512, 512, 3, 3)],  # (512, 512, 3, 3) is also ResNet-50's layer4
@@ -81,6 +83,125 @@ def table(shape: tuple[int, ...], density: float, rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+# ---- whole gradient sets on a device (--device) ----
+
+def _resnet50_shapes() -> list[tuple[int, ...]]:
+    """ResNet-50's weight shapes, written out (torchvision's model where it is installed)."""
+    shapes = [(64, 3, 7, 7)]
+    inplanes = 64
+    for planes, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(planes, inplanes, 1, 1), (planes, planes, 3, 3), (planes * 4, planes, 1, 1)]
+            if b == 0:
+                shapes.append((planes * 4, inplanes, 1, 1))
+            inplanes = planes * 4
+    return shapes + [(1000, 2048)]
+
+
+def _vgg16_shapes() -> list[tuple[int, ...]]:
+    shapes, cin = [], 3
+    for cout in (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512):
+        shapes.append((cout, cin, 3, 3))
+        cin = cout
+    return shapes + [(4096, 25088), (4096, 4096), (1000, 4096)]
+
+
+def _bert_base_shapes() -> list[tuple[int, ...]]:
+    """BERT-base's matrices (the biases and norms are 1-D: the policy sends them dense)."""
+    layer = [(768, 768)] * 4 + [(3072, 768), (768, 3072)]
+    return [(30522, 768), (512, 768), (2, 768)] + layer * 12 + [(768, 768)]
+
+
+def _torchvision_shapes(name: str) -> list[tuple[int, ...]] | None:
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name)()
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+GRADIENT_SETS = {
+    "resnet50": lambda: _torchvision_shapes("resnet50") or _resnet50_shapes(),
+    "vgg16": lambda: _torchvision_shapes("vgg16") or _vgg16_shapes(),
+    "bert-base": _bert_base_shapes,
+    "tiny": lambda: [(64, 32, 3, 3), (128, 300), (96, 5000)],
+}
+
+
+def sparsified(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[tuple[int, ...]]:
+    """The shapes the default policy sends sparse."""
+    policy = SparsificationPolicy()
+    return [s for s in shapes if not policy.is_dense(s, dtype)]
+
+
+def _timed_on(device: torch.device, fn, budget_s: float) -> float:
+    """Seconds per call with the device's queue drained before and after."""
+    def call():
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return timed(call, budget_s, min_runs=2)
+
+
+def bench_set(name: str, device: torch.device, dtype: torch.dtype, density: float,
+              budget_s: float) -> dict:
+    """The references and ADTopk's costs over one gradient set, one run."""
+    shapes = sparsified(GRADIENT_SETS[name](), dtype)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    k = max(1, math.floor(flat.numel() * density))
+    row = {"set": name, "numel": flat.numel(), "tensors": len(shapes),
+           "read": _timed_on(device, lambda: flat.sum(), budget_s),
+           "topk": _timed_on(device, lambda: flat.abs().topk(k, sorted=False), budget_s)}
+    plain = create("adtopk", ratio=density)
+    row["compress"] = _timed_on(
+        device, lambda: [plain.compress(g, f"t{i}") for i, g in enumerate(grads)], budget_s)
+    ef = create({"compressor": "adtopk", "k": density, "ef": "vanilla"})
+
+    def with_feedback():  # the bytes for the wire, in host memory
+        for i, g in enumerate(grads):
+            ef.compress(g, f"t{i}").buffers()
+    row["ef_host"] = _timed_on(device, with_feedback, budget_s)
+    row["batch"] = None
+    if fibre_triton.applies(grads[0]):
+        residuals = [torch.zeros_like(g) for g in grads]
+        stage = Stage(device)
+        ks = [max(1, math.floor(g.shape[1] * density)) for g in grads]
+        items = [fibre_triton.Item(r, g, kk) for r, g, kk in zip(residuals, grads, ks)]
+        row["batch"] = _timed_on(device, lambda: fibre_triton.select(items, stage), budget_s)
+    return row
+
+
+def set_table(rows: list[dict], device: torch.device, dtype: torch.dtype, density: float) -> str:
+    out = [f"### Gradient sets on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+           f"{dtype}, density {density}, ms", "",
+           "| gradient set | tensors | read once | global topk | ADTopk compress "
+           "| ADTopk compress + EF + host bytes | one fused call, + EF + host bytes "
+           "| best / topk (goal <= 0.5) | best / read (goal <= 10) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        best = min(t for t in (r["ef_host"], r["batch"]) if t is not None)
+        batch = "-" if r["batch"] is None else f"{r['batch'] * 1e3:.3f}"
+        out.append(f"| {r['set']} ({r['numel'] / 1e6:.1f} M) | {r['tensors']} | {r['read'] * 1e3:.3f} "
+                   f"| {r['topk'] * 1e3:.3f} | {r['compress'] * 1e3:.3f} | {r['ef_host'] * 1e3:.3f} "
+                   f"| {batch} | {best / r['topk']:.2f} | {best / r['read']:.1f} |")
+    return "\n".join(out)
+
+
+def main_sets(device: torch.device, sets: list[str], dtype: torch.dtype, density: float,
+              budget_s: float) -> None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    kernel = "triton kernel" if fibre_triton.applies(torch.empty(1, 1, device=device)) else \
+        "no triton kernel (select.py)"
+    print(f"torch {torch.__version__}, {kernel}; mean time per call\n")
+    rows = [bench_set(name, device, dtype, density, budget_s) for name in sets]
+    print(set_table(rows, device, dtype, density), flush=True)
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.lower().split("x"))
 
@@ -92,8 +213,17 @@ def main() -> None:
     ap.add_argument("--densities", nargs="*", type=float, default=[0.01, 0.001])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--budget", type=float, default=0.5, help="seconds of repeats per measurement")
+    ap.add_argument("--device", help="time whole gradient sets on this device (cpu, cuda) instead")
+    ap.add_argument("--sets", nargs="*", choices=sorted(GRADIENT_SETS),
+                    default=["resnet50", "vgg16", "bert-base"], help="gradient sets for --device")
+    ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+                    help="gradient dtype for --device")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.device:
+        main_sets(torch.device(args.device), args.sets, getattr(torch, args.dtype),
+                  args.densities[0], args.budget)
+        return
     shapes = args.shapes or [s for group in SHAPES.values() for s in group]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); mean time per call\n")
     summary = []

@@ -143,3 +143,14 @@ def test_convergence_study_resumes_and_reports(tmp_path):
     assert "| adtopk | 2 |" in report and "| dense | 2 |" in report
     assert "- adtopk vs dense:" in report
     assert (tmp_path / "convergence-fashion-0.01.png").stat().st_size > 10_000
+
+
+def test_compression_benchmark_times_a_gradient_set_on_a_device():
+    # --device prints the whole-set table with its reference columns (cpu here: no kernel)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compression.py"), "--device", "cpu",
+         "--sets", "tiny", "--densities", "0.01", "--budget", "0.01"],
+        capture_output=True, text=True, timeout=120, check=True).stdout
+    row = re.search(r"^\| tiny \(0\.5 M\) \| 3 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| - \|",
+                    out, re.M)
+    assert row and all(float(v) > 0 for v in row.groups()), out

@@ -11,9 +11,11 @@ import math
 
 import torch
 
+from . import fibre_triton
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, index_dtype
 from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk
+from .staging import Stage
 
 LAYOUTS = ("axis", "rows")
 
@@ -30,6 +32,7 @@ class ADTopk(Compressor):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
         self.layout = layout
+        self._stages: dict[str, Stage] = {}  # the CUDA kernel's buffers, per tensor name
 
     def view_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape whose axis 1 the fibres run along."""
@@ -45,6 +48,8 @@ class ADTopk(Compressor):
                 "the sparsification policy sends such tensors dense")
         view, k = self._fibres(tensor, ratio)
         x = tensor.detach().reshape(view)
+        if fibre_triton.applies(x) and self.value_dtype in (None, x.dtype):
+            return self._staged(tensor, view, fibre_triton.Item(x, None, k), name)
         positions = fibre_topk(x, k)
         selected = x.gather(1, positions)  # every fibre's NaN and infinities come first
         return self._payload(tensor, view, positions, self._values(selected), not all_finite(selected))
@@ -60,6 +65,11 @@ class ADTopk(Compressor):
         if tensor.dim() < 2 or self.value_dtype not in (None, tensor.dtype):
             return None
         view, k = self._fibres(tensor, ratio)
+        if fibre_triton.applies(residual) and residual.is_contiguous() and \
+                (residual.shape, residual.dtype, residual.device) == \
+                (tensor.shape, tensor.dtype, tensor.device):
+            item = fibre_triton.Item(residual.view(view), tensor.detach().reshape(view), k)
+            return self._staged(tensor, view, item, name)
         found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k)
         if found is None:
             return None
@@ -70,6 +80,17 @@ class ADTopk(Compressor):
         """The view whose axis 1 the fibres run along, and how many entries each keeps."""
         view = self.view_of(tuple(tensor.shape))
         return view, fibre_k(view[1], self._ratio(ratio))
+
+    def _staged(self, tensor: torch.Tensor, view: tuple[int, ...], item: "fibre_triton.Item",
+                name: str) -> Payload:
+        """The fused kernel's payload: device views, and their bytes already in pinned host
+        memory (valid until ``name`` is compressed again)."""
+        stage = self._stages.get(name)
+        if stage is None or stage.device != tensor.device:
+            stage = self._stages[name] = Stage(tensor.device)
+        got = fibre_triton.select([item], stage)[0]
+        return Payload("fibre", tuple(tensor.shape), tensor.dtype, got.values, got.indices,
+                       view=view, nonfinite=got.nonfinite, host=(got.host_values, got.host_indices))
 
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,

@@ -85,6 +85,9 @@ class Payload:
     # the compressor saw a NaN or an infinity in its input (not part of the encoding: a push
     # carries it as a header flag)
     nonfinite: bool = field(default=False, compare=False)
+    # values and indices already copied to host memory (the CUDA kernel's pinned buffer), which
+    # buffers() hands out instead of staging them again
+    host: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -127,6 +130,8 @@ class Payload:
 
     def buffers(self) -> list:
         """The values, then the indices if any, as zero-copy buffers."""
+        if self.host is not None:
+            return [_as_buffer(t) for t in self.host]
         if self.indices is None:
             return [_as_buffer(self.values)]
         return [_as_buffer(self.values), _as_buffer(self.indices)]

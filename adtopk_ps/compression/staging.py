@@ -1,0 +1,94 @@
+"""A device buffer, its pinned host mirror and a side stream, reused call after call.
+
+The fused fibre kernel writes a whole payload (values, positions, flags) into
+one device buffer; the bytes for the wire are copied from it into a pinned
+host buffer on a side stream, so the copy runs beside the compute stream's
+later work (the rest of the backward pass). Both buffers are kept and only
+grow: allocating pinned memory per payload costs more than the copy itself.
+
+What a call hands out (device and host views) stays valid until the next
+call on the same :class:`Stage`; callers keep one stage per tensor name, and
+a name is compressed again only after its previous round was answered.
+"""
+from __future__ import annotations
+
+import torch
+
+_ALIGN = 16
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up so that the next region starts aligned for any dtype."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class Stage:
+    """One device buffer, its pinned host copy, and the table the kernel reads.
+
+    Example::
+
+        stage = Stage(torch.device("cuda"))
+        out = stage.device_buffer(1 << 20)      # the kernel writes here
+        ...                                     # launch on the current stream
+        host = stage.to_host(1 << 20)           # async copy on the side stream
+        stage.wait()                            # host bytes ready for the wire
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._device = torch.empty(0, dtype=torch.uint8, device=device)
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._table_host = torch.empty(0, dtype=torch.int64)
+        self._table = torch.empty(0, dtype=torch.int64, device=device)
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+        self._copied = torch.cuda.Event() if self.cuda else None
+        self._pending = False
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the device buffer, free to overwrite on the current stream."""
+        if self._pending:  # the previous copy still reads the buffer
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+        if self._device.numel() < nbytes:
+            self._device = torch.empty(_grown(nbytes), dtype=torch.uint8, device=self.device)
+        return self._device[:nbytes]
+
+    def table(self, rows: list[int]) -> torch.Tensor:
+        """``rows`` as an int64 tensor on the device, uploaded through a reused pinned buffer."""
+        if self._pending:
+            self.wait()  # the pinned table may still be read by the previous upload
+        n = len(rows)
+        if self._table_host.numel() < n:
+            size = _grown(n)
+            self._table_host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+            self._table = torch.empty(size, dtype=torch.int64, device=self.device)
+        self._table_host[:n] = torch.tensor(rows, dtype=torch.int64)
+        if not self.cuda:
+            return self._table_host[:n]
+        return self._table[:n].copy_(self._table_host[:n], non_blocking=True)
+
+    def to_host(self, nbytes: int) -> torch.Tensor:
+        """Start copying the first ``nbytes`` to the pinned host buffer, after everything the
+        current stream has queued; :meth:`wait` before reading what this returns."""
+        if self._host.numel() < nbytes:
+            self._host = torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+        host = self._host[:nbytes]
+        if not self.cuda:
+            return host.copy_(self._device[:nbytes])
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            host.copy_(self._device[:nbytes], non_blocking=True)
+            self._copied.record(self._stream)
+        self._pending = True
+        return host
+
+    def wait(self) -> None:
+        """Block until the last :meth:`to_host` copy has landed."""
+        if self._pending:
+            self._copied.synchronize()
+            self._pending = False
+
+
+def _grown(nbytes: int) -> int:
+    """A capacity with headroom, so that small changes (a density raised) keep the buffer."""
+    return aligned(max(nbytes + nbytes // 4, 4096))

@@ -1,0 +1,290 @@
+"""The CUDA fibre kernel (Triton) selects, orders and updates exactly as documented and as the
+CPU path does: under Triton's interpreter on CPU tensors here, on the GPU where there is one."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+# the interpreter must be chosen before triton is imported; where a GPU exists, this process
+# tests the compiled kernel and a subprocess the interpreted one
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+try:
+    import triton  # noqa: F401
+except ImportError:
+    triton = None
+
+from adtopk_ps.compression import create, fibre_triton, select  # noqa: E402
+from adtopk_ps.compression.payload import Payload  # noqa: E402
+from adtopk_ps.compression.staging import Stage  # noqa: E402
+
+NO_TRITON = "triton is not installed (pip install triton; the kernel is optional)"
+INTERPRETED = triton is not None and fibre_triton.interpreted()
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason=NO_TRITON if triton is None else
+                                      "runs where TRITON_INTERPRET=1 (a subprocess on GPU machines)")
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture
+def cpu_kernel():
+    """CPU tensors take the kernel (under the interpreter) instead of select.py."""
+    fibre_triton.CPU_TENSORS = True
+    yield
+    fibre_triton.CPU_TENSORS = False
+
+
+def reference(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions [A, k, R] by the documented rule, one fibre at a time in Python."""
+    x3 = x.reshape(x.shape[0], x.shape[1], -1).float()
+    lead, n, rest = x3.shape
+    out = torch.empty(lead, k, rest, dtype=torch.int64)
+    for a in range(lead):
+        for j in range(rest):
+            f = x3[a, :, j]
+            mag = f.abs().nan_to_num(nan=math.inf, posinf=math.inf).tolist()
+            if k <= 2 and k < n:
+                chosen = sorted(range(n), key=lambda i: (-mag[i], i))[:k]
+            else:
+                g = fibre_triton.group_size(n, k) if k < n else 0
+                m = n // g if g else n
+                if g and not f[:g * m].isnan().any():
+                    scan = [r * m + c for c in range(m) for r in range(g)] + list(range(g * m, n))
+                else:
+                    scan = list(range(n))
+                rank = {p: i for i, p in enumerate(scan)}
+                chosen = sorted(sorted(scan, key=lambda p: (-mag[p], rank[p]))[:k], key=rank.get)
+            out[a, :, j] = torch.tensor(chosen)
+    return out.view(lead, k, *x.shape[2:])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, dtype and shape too; a NaN equals a NaN (the bits of a NaN that
+    arithmetic made are the CPU's or the GPU's own, and nothing reads them)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point() and not torch.equal(a.isnan(), b.isnan()):
+        return False
+    if a.is_floating_point():
+        a, b = a.nan_to_num(nan=0.0), b.nan_to_num(nan=0.0)
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def sample(shape, dtype, seed, ties=False, nonfinite=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    if ties:  # few distinct magnitudes, signs mixed: the k-th largest is shared
+        x = (x * 1.5).round()
+    if nonfinite:
+        flat = x.view(-1)
+        picks = torch.randint(0, flat.numel(), (3,), generator=gen)
+        flat[picks[0]], flat[picks[1]], flat[picks[2]] = math.nan, math.inf, -math.inf
+    return x.to(dtype)
+
+
+@interpreter_only
+@settings(max_examples=25, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(dtype=st.sampled_from(DTYPES), lead=st.integers(1, 3), n=st.integers(1, 330),
+       rest=st.sampled_from([(), (3,), (2, 2)]), k_pick=st.sampled_from(["1", "2", "density", "any"]),
+       density=st.sampled_from([0.01, 0.05, 0.2]), ties=st.booleans(), nonfinite=st.booleans(),
+       feedback=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_follows_the_documented_rule(dtype, lead, n, rest, k_pick, density, ties, nonfinite,
+                                            feedback, seed):
+    shape = (lead, n, *rest)
+    k = {"1": 1, "2": min(2, n), "density": max(1, math.floor(n * density)),
+         "any": 1 + seed % n}[k_pick]
+    x = sample(shape, dtype, seed, ties, nonfinite)
+    grad = sample(shape, dtype, seed + 1, ties) if feedback else None
+    target = x.clone()
+    compensated = (x + grad) if feedback else x  # torch's own rounding in the dtype
+    got = fibre_triton.select([fibre_triton.Item(target, grad, k)], Stage(torch.device("cpu")))[0]
+    want = reference(compensated, k)
+    assert torch.equal(got.indices.long(), want)
+    assert got.indices.dtype == (torch.uint8 if n <= 256 else torch.uint16)
+    assert same_bits(got.values, compensated.gather(1, want))
+    assert same_bits(got.host_values, got.values) and same_bits(got.host_indices, got.indices)
+    assert got.nonfinite == (not bool(got.values.float().isfinite().all()))
+    if feedback:  # what was sent left the residual exactly, the rest is r + g
+        assert same_bits(target, compensated.scatter(1, want, 0.0))
+    else:
+        assert same_bits(target, x)
+
+
+def cpu_and_kernel(spec, steps, shape, dtype, seed, ties=False, nonfinite=False):
+    """Payloads (and residuals) of the same compressor on the CPU path and in the kernel."""
+    plain, kernel = create(spec), create(spec)
+    out = []
+    for step in range(steps):
+        g = sample(shape, dtype, seed + step, ties, nonfinite and step == steps - 1)
+        a = plain.compress(g, "w", step)
+        fibre_triton.CPU_TENSORS = True
+        try:
+            b = kernel.compress(g, "w", step)
+        finally:
+            fibre_triton.CPU_TENSORS = False
+        assert a.host is None and b.host is not None  # which path each took
+        # the kernel's buffers are reused by the next call: keep a copy
+        out.append((a, dataclasses.replace(b, values=b.values.clone(), indices=b.indices.clone(),
+                                           host=tuple(t.clone() for t in b.host))))
+    residuals = [getattr(c, "memory", None) for c in (plain, kernel)]
+    return out, residuals
+
+
+@interpreter_only
+@pytest.mark.parametrize("shape", [(6, 64), (4, 300), (3, 520), (2, 64, 3, 3), (5, 3, 2, 2),
+                                   (3, 1000), (8, 17)])
+@pytest.mark.parametrize("ties", [False, True])
+def test_float32_payloads_equal_the_cpu_ones(shape, ties):
+    # the CPU path is the compiled kernel (_fibre.c) here: same entries, same order, same bytes
+    if select._fibre is None:
+        pytest.skip("the compiled CPU kernel is not built")
+    for ef in (None, "vanilla"):
+        spec = {"compressor": "adtopk", "k": 0.01, **({"ef": ef} if ef else {})}
+        pairs, memories = cpu_and_kernel(spec, 3 if ef else 1, shape, torch.float32, 7, ties,
+                                         nonfinite=not ties)
+        for a, b in pairs:
+            assert (a.codec, a.shape, a.view, a.dtype) == (b.codec, b.shape, b.view, b.dtype)
+            assert same_bits(a.values, b.values) and same_bits(a.indices, b.indices)
+            assert a.nonfinite == b.nonfinite
+            assert [bytes(f) for f in a.frames()] == [bytes(f) for f in b.frames()]
+        if ef:
+            for name in ("w",):
+                assert same_bits(memories[0].residuals[name], memories[1].residuals[name])
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_payloads_hold_the_cpu_selection(dtype, cpu_kernel):
+    # the CPU path is torch's selection, whose order (and choice among equal magnitudes) torch
+    # does not fix: the same entries where magnitudes are distinct (1..200 in every fibre, exact
+    # in both dtypes); the residual updates are checked against torch in the test above
+    gen = torch.Generator().manual_seed(4)
+    lead, n, rest = 4, 200, 3
+    mags = torch.stack([torch.randperm(n, generator=gen) + 1 for _ in range(lead * rest)])
+    signs = torch.randint(0, 2, mags.shape, generator=gen) * 2 - 1
+    g = (mags * signs).view(lead, rest, n).transpose(1, 2).contiguous().to(dtype)
+    for ratio in (0.01, 0.05):
+        fibre_triton.CPU_TENSORS = False
+        a = create("adtopk", ratio=ratio).compress(g, "w")
+        fibre_triton.CPU_TENSORS = True
+        b = create("adtopk", ratio=ratio).compress(g, "w")
+        assert a.host is None and b.host is not None
+        pa, pb = a.indices.long().sort(dim=1), b.indices.long().sort(dim=1)
+        assert torch.equal(pa.values, pb.values)
+        assert same_bits(a.values.gather(1, pa.indices), b.values.gather(1, pb.indices))
+        assert same_bits(a.decompress(), b.decompress())
+
+
+@interpreter_only
+def test_one_call_over_many_tensors_equals_one_call_each():
+    # a batch groups tensors by tile into a few launches; every result is what it is alone
+    shapes = [((4, 64), 1), ((3, 512), 5), ((2, 70, 3), 2), ((2, 300, 2), 3), ((3, 5), 5)]
+    xs = [sample(s, torch.float32, i, ties=i % 2 == 1) for i, (s, _) in enumerate(shapes)]
+    grads = [sample(s, torch.float32, 50 + i) for i, (s, _) in enumerate(shapes)]
+    batch_r = [x.clone() for x in xs]
+    alone_r = [x.clone() for x in xs]
+    stage = Stage(torch.device("cpu"))
+    batch = fibre_triton.select([fibre_triton.Item(r, g, k) for r, g, (_, k)
+                                 in zip(batch_r, grads, shapes)], stage)
+    for i, (r, g, (_, k)) in enumerate(zip(alone_r, grads, shapes)):
+        alone = fibre_triton.select([fibre_triton.Item(r, g, k)], Stage(torch.device("cpu")))[0]
+        assert same_bits(batch[i].values, alone.values)
+        assert same_bits(batch[i].indices, alone.indices)
+        assert same_bits(batch_r[i], r)
+
+
+@interpreter_only
+def test_a_strided_gradient_is_read_in_place(cpu_kernel):
+    # channels_last: the fibres run along the contiguous axis; payloads match the contiguous ones
+    g = sample((8, 96, 3, 3), torch.float32, 3)
+    a = create("adtopk", ratio=0.03).compress(g, "w")
+    b = create("adtopk", ratio=0.03).compress(g.to(memory_format=torch.channels_last), "w")
+    assert same_bits(a.values, b.values) and same_bits(a.indices, b.indices)
+
+
+@interpreter_only
+def test_wire_bytes_are_the_host_copy_and_decode_back(cpu_kernel):
+    g = sample((16, 300), torch.float32, 5)
+    comp = create("adtopk", ratio=0.01)
+    p = comp.compress(g, "w")
+    frames = p.frames()
+    assert bytes(frames[1]) == p.values.numpy().tobytes()
+    assert bytes(frames[2]) == p.indices.numpy().tobytes()
+    q = Payload.from_frames(frames)
+    assert same_bits(q.decompress(), p.decompress())
+    # the buffers are reused: the next call on the same name writes the same memory
+    p2 = comp.compress(g * 2, "w")
+    assert p2.host[0].data_ptr() == p.host[0].data_ptr()
+
+
+def test_bad_input_is_refused_by_name():
+    if triton is None:
+        pytest.skip(NO_TRITON)
+    stage = Stage(torch.device("cpu"))
+    with pytest.raises(ValueError, match="k=0 outside"):
+        fibre_triton.select([fibre_triton.Item(torch.zeros(2, 4), None, 0)], stage)
+    with pytest.raises(ValueError, match="grad"):
+        fibre_triton.select([fibre_triton.Item(torch.zeros(2, 4), torch.zeros(2, 5), 1)], stage)
+    with pytest.raises(ValueError, match="float64"):
+        fibre_triton.select([fibre_triton.Item(torch.zeros(2, 4, dtype=torch.float64), None, 1)],
+                            stage)
+
+
+def test_cpu_tensors_keep_the_cpu_path(device):
+    # the kernel is for CUDA tensors; CPU ones go through select.py as before
+    g = sample((8, 512), torch.float32, 1).to(device)
+    p = create("adtopk", ratio=0.01).compress(g, "w")
+    assert (p.host is not None) == (device.type == "cuda" and triton is not None)
+    assert not fibre_triton.applies(g.cpu())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED or triton is None,
+                    reason="needs a CUDA device and triton (compiled, not interpreted)")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(64, 3, 7, 7), (64, 64, 3, 3), (256, 512, 1, 1), (512, 2048),
+                                   (300, 3072), (64, 25088), (1000, 2048), (17, 1)])
+def test_cuda_payloads_equal_the_cpu_ones(shape, dtype):
+    # float32: the CPU path is _fibre.c, matched bit for bit, ties included; 16-bit: torch's
+    # selection on the CPU, whose choice among ties is its own, so the same magnitudes
+    spec = {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}
+    cpu, gpu = create(spec), create(spec)
+    for step in range(3):
+        g = sample(shape, dtype, 100 + step, ties=step == 1)
+        before = gpu.memory.residuals["w"].clone() + g.cuda() if step else g.cuda()
+        a, b = cpu.compress(g, "w", step), gpu.compress(g.cuda(), "w", step)
+        assert b.host is not None and b.values.is_cuda and a.nonfinite == b.nonfinite
+        assert same_bits(b.host[0], b.values.cpu()) and same_bits(b.host[1], b.indices.cpu())
+        if dtype == torch.float32:
+            assert same_bits(a.values, b.values.cpu()) and same_bits(a.indices, b.indices.cpu())
+            assert [bytes(f) for f in a.frames()] == [bytes(f) for f in b.frames()]
+            assert same_bits(cpu.memory.residuals["w"], gpu.memory.residuals["w"].cpu())
+        else:
+            assert torch.equal(a.values.abs().sort(dim=1).values,
+                               b.values.abs().sort(dim=1).values.cpu())
+        # what was sent plus what is kept is g + r, exactly
+        assert same_bits(b.decompress() + gpu.memory.residuals["w"], before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED or triton is None,
+                    reason="on GPU machines the interpreted tests run in a subprocess")
+def test_interpreted_tests_pass_in_a_subprocess():
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(Path(__file__)),
+                          "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
+@interpreter_only
+def test_empty_tensors_keep_the_cpu_path(cpu_kernel):
+    p = create("adtopk", ratio=0.01).compress(torch.zeros(4, 0, 3), "w")
+    assert p.host is None and p.values.shape == (4, 0, 3)
