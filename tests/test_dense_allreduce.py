@@ -131,8 +131,9 @@ def test_under_curve_keys_allreduce_is_refused_and_auto_keeps_to_the_servers(tmp
         result = subprocess.run([sys.executable, "-c", _UNDER_CURVE], env=env, capture_output=True,
                                 text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert ("refused: dense_transport='allreduce' would send gradients over gloo, which neither "
-            "authenticates nor encrypts; with PS_CURVE_KEYS set use dense_transport='ps'") in result.stdout
+    assert ("refused: dense_transport='allreduce' would send gradients over gloo or NCCL, neither "
+            "of which authenticates or encrypts; with PS_CURVE_KEYS set use dense_transport='ps'") \
+        in result.stdout
     assert "auto: False 0.0 0 True" in result.stdout  # no group made, nothing timed, the servers used
 
 
