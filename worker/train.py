@@ -106,6 +106,8 @@ def agree_on_config(cfg: dict, device: torch.device) -> None:
 def train(cfg: dict, args, device: torch.device) -> dict:
     """Train on ``device``: the data, the model, its optimizer state and the residuals all live
     there (checkpoints are saved from the CPU and load onto whatever device this run has)."""
+    if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
+        torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
     torch.manual_seed(cfg["seed"])
     bps.init()
     rank, size = bps.rank(), bps.size()
