@@ -65,9 +65,9 @@ def gpu_key(devices: Iterable[torch.device]) -> str | None:
     found = set(devices)
     if len(found) != 1 or next(iter(found)).type != "cuda":
         return None
-    props = torch.cuda.get_device_properties(next(iter(found)))
-    uuid = getattr(props, "uuid", None)
-    return str(uuid) if uuid is not None else f"{socket.gethostname()}/{props.pci_bus_id}"
+    device = next(iter(found))
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}/{device.index}"
 
 
 def backend_for(gpus: list[str | None], nccl: bool) -> str:
