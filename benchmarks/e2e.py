@@ -45,6 +45,10 @@ between runs (on a fast link, with small models), --paired gives each PS
 worker a second copy of the model under DDP dense on gloo: every round then
 times a PS step and a DDP step back to back in the same processes on the
 same links, and the report adds their ratio round by round.
+
+--device cuda puts every worker's model and batches on a GPU (worker i on
+cuda:<i mod the GPUs visible>, so several workers may share one), and every
+timed step waits for the GPU's queued work before it is timed.
 """
 from __future__ import annotations
 
@@ -96,12 +100,18 @@ MODELS = {"vgg": ("vgg", {"hidden": 4096}, "images"),
 def worker(args: argparse.Namespace) -> None:
     import torch
 
+    from adtopk_ps.compression.cost import synchronize
     from worker.models import build
     torch.set_num_threads(1)
     arch, spec, inputs = MODELS[args.model]
     system = SYSTEMS[args.system]
+    # every worker is a host of its own here (local rank 0): GPUs go round-robin by worker
+    device = torch.device("cuda", int(os.environ["DMLC_WORKER_ID"]) % torch.cuda.device_count()) \
+        if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton's kernels and the CUDA context follow it
     torch.manual_seed(0)
-    model = build(arch, spec)
+    model = build(arch, spec).to(device)
     twin = copy.deepcopy(model)  # for compute alone: no optimizer hooks, no DDP reducer on it
     gen = torch.Generator().manual_seed(1)
     if inputs == "images":
@@ -109,6 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     else:
         x = torch.randint(0, 256, (args.batch, 64), generator=gen)
         y = torch.randint(0, 256, (args.batch, 64), generator=gen)
+    x, y = x.to(device), y.to(device)
 
     def loss_of(net):
         out = net(x)
@@ -129,8 +140,10 @@ def worker(args: argparse.Namespace) -> None:
             for name in names[turn % len(names):] + names[:turn % len(names)]:
                 prepare, fn = kinds[name]
                 prepare()
+                synchronize(device)
                 started, cpu_started = time.perf_counter(), time.process_time()
                 fn()
+                synchronize(device)  # a GPU step ends when its queued kernels have run
                 wall[name].append(time.perf_counter() - started)
                 cpu[name] += time.process_time() - cpu_started
         return {name: (sum(wall[name]) / rounds, cpu[name] / rounds, wall[name]) for name in kinds}
@@ -353,11 +366,13 @@ def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> 
     env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
                DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="eth0")  # gloo's own address lookup would leave the namespace
+               GLOO_SOCKET_IFNAME="eth0",  # gloo's own address lookup would leave the namespace
+               NCCL_SOCKET_IFNAME="eth0")  # likewise NCCL's (the hybrid lane, GPU workers)
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1]] + \
+           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1],
+           "--device", args.device] + \
         (["--paired"] if args.paired else [])
     procs = []
     try:
@@ -609,6 +624,8 @@ def main() -> None:
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")
     ap.add_argument("--paired", action="store_true",
                     help="PS workers also step a copy of the model under DDP dense, round by round")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the workers train: cuda puts worker i on GPU i mod the GPUs visible")
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--system", help=argparse.SUPPRESS)
@@ -618,6 +635,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
     from adtopk_ps.testing import netns
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("e2e benchmark: --device cuda, but torch sees no GPU here")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted
     why = netns.unavailable()
     if why:

@@ -8,6 +8,11 @@ the raw baseline is two processes echoing 4 MiB multipart messages (header
 
     python benchmarks/ps.py                     # 1x1 and 2x2, dense and ADTopk
     python benchmarks/ps.py --rounds 3 --quick  # a short run
+    python benchmarks/ps.py --device cuda       # gradients on GPUs: compression there too
+
+With ``--device cuda`` worker i's gradients live on GPU i mod the GPUs visible
+(several workers may share one), so every push compresses on the GPU and
+copies its payload to the host, as a GPU worker's do.
 """
 from __future__ import annotations
 
@@ -46,10 +51,15 @@ def worker_job(args: argparse.Namespace) -> None:
 
     from adtopk_ps.client import PSClient
     from adtopk_ps.compression import SparsificationPolicy, create
+    from adtopk_ps.compression.cost import synchronize
 
     torch.set_num_threads(1)
     client = PSClient()
-    grads = [torch.randn(s) for s in GRADIENT_SETS[args.set]()]
+    device = torch.device("cuda", client.rank % torch.cuda.device_count()) \
+        if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # Triton's kernels and the CUDA context follow it
+    grads = [torch.randn(s).to(device) for s in GRADIENT_SETS[args.set]()]
     comp = None if args.compressor == "none" else create(args.compressor, ratio=args.ratio)
     routes = SparsificationPolicy(args.ratio).plan((f"g{i}", g) for i, g in enumerate(grads))
 
@@ -58,6 +68,7 @@ def worker_job(args: argparse.Namespace) -> None:
                    for i, g in reversed(list(enumerate(grads)))]
         for h in handles:
             h.wait()
+        synchronize(device)  # answers copied back to a GPU have landed
 
     one_round()  # declares every key and allocates the servers' buffers
     client.barrier()
@@ -125,11 +136,11 @@ def raw_pyzmq(total_bytes: int, message_bytes: int, inflight: int) -> float:
 
 
 def ps_run(workers: int, servers: int, grads: str, compressor: str, ratio: float,
-           rounds: int, keys: str | None = None) -> dict:
+           rounds: int, keys: str | None = None, device: str = "cpu") -> dict:
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(workers),
            "--num-servers", str(servers), "--timeout", "900", "--", sys.executable, __file__,
            "--worker", "--set", grads, "--compressor", compressor, "--ratio", str(ratio),
-           "--rounds", str(rounds)]
+           "--rounds", str(rounds), "--device", device]
     env = {**os.environ, **({"PS_CURVE_KEYS": keys} if keys else {})}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1000, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in out.stdout.splitlines()
@@ -150,6 +161,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the 1x1 dense run and the baseline")
     ap.add_argument("--curve", action="store_true",
                     help="also run the large-message set with CURVE on every socket")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the workers' gradients live (cuda: worker i on GPU i mod the GPUs visible)")
     ap.add_argument("--set", default="resnet50", choices=sorted(GRADIENT_SETS), help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--echo", help=argparse.SUPPRESS)
@@ -158,11 +171,16 @@ def main() -> None:
         return worker_job(args)
     if args.echo:
         return echo_server(args.echo)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit("ps benchmark: --device cuda, but torch sees no GPU here")
     nparams = sum(__import__("math").prod(s) for s in resnet50_shapes())
     print(f"ResNet-50 gradient set: {len(resnet50_shapes())} tensors, {nparams / 1e6:.1f} M "
           f"parameters, {nparams * 4 / MB:.0f} MiB in fp32\n")
     raw = raw_pyzmq(400 * MB, 4 * MB, 8)
     print(f"raw pyzmq loopback echo (4 MiB frames, 8 in flight): {raw / 1e9:.2f} GB/s both ways\n")
+    print(f"workers' gradients on {'GPUs' if args.device == 'cuda' else 'the CPU'}\n")
     print("| gradients | W x S | compressor | rounds/s | payload GB/s | vs raw pyzmq "
           "| pushed per worker-round |")
     print("|---|---|---|---:|---:|---:|---:|")
@@ -178,7 +196,8 @@ def main() -> None:
         keys = str(keygen(tempfile.mkdtemp()).parent)
         configs += [("large", 1, 1, "none", keys), ("large", 2, 2, "none", keys)]
     for grads, w, s, comp, *secured in configs:
-        r = ps_run(w, s, grads, comp, args.ratio, args.rounds, *secured)
+        r = ps_run(w, s, grads, comp, args.ratio, args.rounds, secured[0] if secured else None,
+                   device=args.device)
         label = (comp if comp == "none" else f"{comp} {args.ratio}") + (" + CURVE" if secured else "")
         print(f"| {grads} | {w} x {s} | {label} | {r['rounds_per_s']:.2f} | "
               f"{r['bytes_per_s'] / 1e9:.2f} | {r['bytes_per_s'] / raw:.0%} | "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import CostModel
-from adtopk_ps.torch.dense_lane import DenseLane
+from adtopk_ps.torch.dense_lane import DenseLane, backend_for, gpu_key
 from procs import FAST, bpslaunch
 
 PROGRAM = Path(__file__).resolve().parent / "programs" / "hybrid_check.py"
@@ -131,8 +131,9 @@ def test_under_curve_keys_allreduce_is_refused_and_auto_keeps_to_the_servers(tmp
         result = subprocess.run([sys.executable, "-c", _UNDER_CURVE], env=env, capture_output=True,
                                 text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert ("refused: dense_transport='allreduce' would send gradients over gloo, which neither "
-            "authenticates nor encrypts; with PS_CURVE_KEYS set use dense_transport='ps'") in result.stdout
+    assert ("refused: dense_transport='allreduce' would send gradients over gloo or NCCL, neither "
+            "of which authenticates or encrypts; with PS_CURVE_KEYS set use dense_transport='ps'") \
+        in result.stdout
     assert "auto: False 0.0 0 True" in result.stdout  # no group made, nothing timed, the servers used
 
 
@@ -213,3 +214,18 @@ def test_a_hung_worker_ends_the_others_all_reduce_wait_within_the_heartbeat_time
     status, elapsed, out = _until_worker_1("hanging", "--hang-at", "3")
     assert status != 0 and elapsed < 12, (elapsed, out[-3000:])
     assert re.search(r"\[worker 0\] .*worker 1 \(127\.0\.0\.1\) lost: no heartbeat", out), out[-3000:]
+
+
+def test_nccl_only_where_every_worker_reduces_on_a_gpu_of_its_own():
+    """Decided from what every worker gathered, so all choose alike; NCCL refuses two ranks on
+    one GPU, and reduces no CPU tensor."""
+    assert backend_for(["gpu-a", "gpu-b"], nccl=True) == "nccl"
+    assert backend_for(["gpu-a", "gpu-a"], nccl=True) == "gloo"  # two workers share a GPU
+    assert backend_for(["gpu-a", None], nccl=True) == "gloo"  # one worker on the CPU
+    assert backend_for([None, None], nccl=True) == "gloo"
+    assert backend_for(["gpu-a", "gpu-b"], nccl=False) == "gloo"  # a torch without NCCL
+    assert gpu_key([torch.device("cpu")]) is None and gpu_key([]) is None
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda", 0)
+        assert gpu_key([gpu, gpu]) == gpu_key([gpu]) is not None
+        assert gpu_key([gpu, torch.device("cpu")]) is None

@@ -84,7 +84,18 @@ def test_a_key_of_its_own_is_charged_to_tensors_a_bucket_would_carry_dense():
     assert CostModel(**link, key_s=1.0, fusion_bytes=4 << 20).sparse_pays(2 << 20, 4, 0.01)
 
 
-def test_compression_speed_is_measured():
+def test_compression_speed_is_measured(device):
+    """On the device named: the gradients' own, whose speed the routes depend on."""
     from adtopk_ps.compression import compression_speed, create
-    speed = compression_speed(create("adtopk", ratio=0.01), elements=1 << 16)
+
+    class Where:  # adtopk, noting where it was asked to compress
+        def __init__(self):
+            self.inner, self.seen = create("adtopk", ratio=0.01), set()
+
+        def compress(self, tensor, name, step=0, ratio=None):
+            self.seen.add(tensor.device)
+            return self.inner.compress(tensor, name, step, ratio)
+    probe = Where()
+    speed = compression_speed(probe, elements=1 << 16, device=device)
     assert 0 < speed < 1e-5  # seconds per element
+    assert probe.seen == {torch.device(device.type, 0) if device.type == "cuda" else device}

@@ -82,11 +82,25 @@ def header_for(meta: dict, payload: bytes | memoryview) -> bytes:
     return MAGIC + digest.hexdigest().encode() + b"\n" + line
 
 
+def on_cpu(state: object) -> object:
+    """``state`` (nested dicts, lists and tuples) with every tensor copied to the CPU: a
+    checkpoint names no device, so one saved on a GPU resumes on a CPU and the other way round."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {key: on_cpu(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(on_cpu(value) for value in state)
+    return state
+
+
 def save(path: Path, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, workers: int,
          rank: int, job: dict) -> None:
     """Write ``path`` atomically: a temporary file beside it, fsync, rename, fsync the directory.
 
     A crash at any moment leaves either the previous checkpoint or this one, never a torn file.
+    Tensors are saved from the CPU (:func:`on_cpu`); :func:`read` loads them there, and
+    loading them into the model and optimizer moves them to the model's device.
 
     Example::
 
@@ -94,7 +108,7 @@ def save(path: Path, model: nn.Module, opt: torch.optim.Optimizer, *, step: int,
              job=job_identity(cfg))
     """
     buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict()}), buffer)
     header = header_for({"job": job, "rank": rank, "step": step, "workers": workers},
                         buffer.getbuffer())
     path.parent.mkdir(parents=True, exist_ok=True)

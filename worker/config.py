@@ -22,6 +22,7 @@ DEFAULTS = {
     "eval_every": 50, "checkpoint_every": 100, "seed": 0,
     "metrics": None, "progress": True,
     "nonfinite": "stop",  # a NaN or Inf gradient: "stop" the job naming it, or "skip" the step
+    "device": "auto",  # "auto" (this local rank's GPU where there is one, else the CPU), "cpu", "cuda"
 }
 
 

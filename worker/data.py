@@ -36,6 +36,11 @@ class Dataset:
         return Dataset(self.x_train[rank::size], self.y_train[rank::size], self.x_test,
                        self.y_test, self.task)
 
+    def to(self, device: torch.device) -> "Dataset":
+        """Every tensor on ``device`` once, so that no step copies its batch from the host."""
+        return Dataset(self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
+                       self.y_test.to(device), self.task)
+
     def batches_per_epoch(self, batch_size: int) -> int:
         return max(1, len(self.x_train) // batch_size)
 
@@ -44,7 +49,8 @@ class Dataset:
         per_epoch = self.batches_per_epoch(batch_size)
         epoch, index = divmod(step, per_epoch)
         order = torch.randperm(len(self.x_train), generator=torch.Generator().manual_seed(seed + epoch))
-        picked = order[index * batch_size:(index + 1) * batch_size]
+        # the order is drawn on the CPU on every device alike, so a batch is the same anywhere
+        picked = order[index * batch_size:(index + 1) * batch_size].to(self.x_train.device)
         return self.x_train[picked], self.y_train[picked]
 
 

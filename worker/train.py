@@ -22,6 +22,7 @@ from adtopk_ps.transport import ClusterError
 
 from . import checkpoint
 from . import config as job_config
+from . import device as job_device
 from .data import Dataset, load
 from .models import build
 from .validate import OPTIMIZERS
@@ -83,11 +84,16 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def agree_on_config(cfg: dict) -> None:
+def agree_on_config(cfg: dict, device: torch.device) -> None:
     """Every worker trains by one config: each reads its learning rate and schedule from its own
     every step, which no broadcast of the optimizer's state would correct. Raises
-    :class:`bps.Disagreement` on every worker alike, naming the keys and both sides."""
+    :class:`bps.Disagreement` on every worker alike, naming the keys and both sides.
+
+    ``device`` is compared by the kind each worker took (``auto`` may take a GPU on one host and
+    the CPU on another): the same update on a CPU and on a GPU can round differently, and the
+    replicas would drift apart. Which GPU each takes may differ."""
     mine = _flat({k: v for k, v in cfg.items() if k not in ("metrics", "progress")})
+    mine["device"] = device.type
     configs = bps.allgather_object(mine, name="job.config")
     lines = [f"{key}: worker 0 has {configs[0].get(key)!r}, worker {rank} has {other.get(key)!r}"
              for rank, other in enumerate(configs[1:], 1)
@@ -97,13 +103,18 @@ def agree_on_config(cfg: dict) -> None:
                                + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""))
 
 
-def train(cfg: dict, args) -> dict:
+def train(cfg: dict, args, device: torch.device) -> dict:
+    """Train on ``device``: the data, the model, its optimizer state and the residuals all live
+    there (checkpoints are saved from the CPU and load onto whatever device this run has)."""
+    if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
+        torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
     torch.manual_seed(cfg["seed"])
     bps.init()
-    agree_on_config(cfg)
     rank, size = bps.rank(), bps.size()
-    data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size)
-    model = build(cfg["model"], cfg["model_args"])
+    print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
+    agree_on_config(cfg, device)
+    data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size).to(device)
+    model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
                                    make_compression(cfg), nonfinite=cfg["nonfinite"])
     batch = cfg["batch_size"]
@@ -174,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     args = job_config.parse_args(argv)
     try:
         cfg = job_config.load(args)  # validated in full before this worker joins the cluster
-    except ValueError as exc:
+        device = job_device.resolve(cfg["device"])  # likewise: no GPU for device: cuda
+    except ValueError as exc:  # (EnvError too: a malformed BYTEPS_LOCAL_RANK)
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = train(cfg, args)
+        summary = train(cfg, args, device)
     except BaseException as exc:
         end_progress_lines()  # an error never shares a line with the bar
         if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable

@@ -24,6 +24,7 @@ LR_SCHEDULES = {"constant": {"warmup_steps"}, "cosine": {"warmup_steps"},
                 "step": {"warmup_steps", "gamma", "every"}}
 NONFINITE = ("stop", "skip")
 DENSE_TRANSPORTS = ("ps", "allreduce", "auto")
+DEVICES = ("auto", "cpu", "cuda")  # see device.py
 
 Check = Callable[[str, Any, Mapping], None]  # (dotted key, value, the whole config)
 
@@ -176,6 +177,18 @@ def compression(key: str, value: Any, _cfg: Mapping) -> None:
         raise ConfigError(f"config key {key}={dict(spec)!r}: {exc}") from None
 
 
+def device(key: str, value: Any, cfg: Mapping) -> None:
+    """One of DEVICES. Not a GPU's index: every worker reads the same config, and each takes
+    its GPU by its local rank."""
+    if isinstance(value, str) and value.startswith("cuda:"):
+        _fail(key, value, "name no GPU index: every worker takes the GPU of its local rank "
+                          "(BYTEPS_LOCAL_RANK); write cuda, and limit the GPUs with "
+                          "CUDA_VISIBLE_DEVICES")
+    if isinstance(value, str) and value.lower() == "gpu":  # closest by spelling is 'cpu'
+        _fail(key, value, f"did you mean 'cuda'? must be one of {sorted(DEVICES)}")
+    choice(DEVICES)(key, value, cfg)
+
+
 def metrics(key: str, value: Any, _cfg: Mapping) -> None:
     if value is None:
         return
@@ -196,7 +209,7 @@ SCHEMA: dict[str, Check] = {
     "budget": boolean, "cost_model": boolean, "dense_transport": choice(DENSE_TRANSPORTS),
     "eval_every": integer(1), "checkpoint_every": integer(1), "seed": integer(0),
     "metrics": metrics, "progress": boolean,
-    "nonfinite": choice(NONFINITE),
+    "nonfinite": choice(NONFINITE), "device": device,
 }
 
 

@@ -4,18 +4,19 @@ Through the servers every dense byte goes up to a server and comes back,
 and the servers spend CPU on each; a ring all-reduce moves about as many
 bytes per worker and needs no server at all. Where sparsifying does not pay
 (a fast link, small layers) that makes it the cheaper dense route: the
-paper's hybrid communication. The workers form a gloo group of their own;
-the parameter server only tells them where worker 0's rendezvous store
-listens.
+paper's hybrid communication. The workers form a group of their own: NCCL
+where every worker's gradients live on a GPU of its own, gloo otherwise (CPU
+tensors, or workers sharing a GPU, which NCCL refuses); the parameter server
+only tells them where worker 0's rendezvous store listens.
 
-gloo matches collectives by the order they start in, so every worker starts
-them in one fixed order (the order backward produces the tensors) whatever
+gloo and NCCL match collectives by the order they start in, so every worker
+starts them in one fixed order (the order backward produces the tensors) whatever
 order they become ready in: a tensor ready before its predecessors waits
 for them.
 
 A peer that dies closes its connections and gloo fails at once; one that
-hangs, or whose host drops off the network, gloo would wait out for the
-whole timeout. So a wait also watches the parameter server's heartbeats,
+hangs, or whose host drops off the network, gloo or NCCL would wait out for
+the whole timeout. So a wait also watches the parameter server's heartbeats,
 which name such a peer within seconds.
 
 A NaN or an infinity in any worker's tensor makes the sum non-finite, and
@@ -27,10 +28,12 @@ when a result was non-finite.
 from __future__ import annotations
 
 import datetime
+import socket
 import threading
 import time
+import warnings
 import weakref
-from typing import Callable
+from typing import Callable, Iterable, Union
 
 import torch
 import torch.distributed as dist
@@ -38,12 +41,16 @@ import torch.distributed as dist
 from ..client import PSClient
 from ..compression.select import all_finite
 from ..transport import ClusterError
-from .objects import broadcast_object
+from .objects import allgather_object
 from .runtime import client
 
 TRANSPORTS = ("ps", "allreduce", "auto")
 HEALTH_CHECK_S = 0.2  # how often a wait looks at the parameter server's view of the job
-_groups: "weakref.WeakKeyDictionary[PSClient, dist.ProcessGroupGloo]" = weakref.WeakKeyDictionary()
+NCCL_POLL_S = 0.0002  # how often a wait asks whether NCCL's kernels have finished
+# (ProcessGroupNCCL exists only in torch's CUDA builds: the annotation is a string)
+Group = Union["dist.ProcessGroupGloo", "dist.ProcessGroupNCCL"]
+# per client, a group per gpu_key: one process may all-reduce on the CPU and on a GPU
+_groups: "weakref.WeakKeyDictionary[PSClient, dict[str | None, Group]]" = weakref.WeakKeyDictionary()
 
 
 def check_transport(transport: str) -> str:
@@ -52,30 +59,69 @@ def check_transport(transport: str) -> str:
     return transport
 
 
-def worker_group() -> dist.ProcessGroupGloo:
-    """This job's gloo group of every worker (made once per client; every worker must call it).
+def gpu_key(devices: Iterable[torch.device]) -> str | None:
+    """The GPU that all of ``devices`` are, by its UUID (unique across hosts, and the same for
+    two processes that share one GPU); None where any is not a GPU, or they are several."""
+    found = set(devices)
+    if len(found) != 1 or next(iter(found)).type != "cuda":
+        return None
+    device = next(iter(found))
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return str(uuid) if uuid is not None else f"{socket.gethostname()}/{device.index}"
 
-    gloo neither authenticates nor encrypts, so it is refused where the
-    parameter server's own traffic is (``PS_CURVE_KEYS``).
+
+def backend_for(gpus: list[str | None], nccl: bool) -> str:
+    """``"nccl"`` where every worker reduces on a GPU of its own (``gpus``: each worker's
+    :func:`gpu_key`) and this torch has NCCL; ``"gloo"`` otherwise: CPU tensors, mixed
+    devices, or workers sharing a GPU, which NCCL refuses. A function of what the workers
+    gathered alone, so that all choose alike."""
+    return "nccl" if nccl and all(gpus) and len(set(gpus)) == len(gpus) else "gloo"
+
+
+def worker_group(devices: Iterable[torch.device] = ()) -> Group:
+    """This job's group of every worker, for tensors on ``devices`` (made once per client and
+    device; every worker must call it): NCCL where every worker's are a GPU of its own, else
+    gloo (:func:`backend_for`).
+
+    Neither gloo nor NCCL authenticates or encrypts, so it is refused where the parameter
+    server's own traffic is (``PS_CURVE_KEYS``).
+
+    Example::
+
+        group = worker_group(p.device for p in model.parameters())
     """
     c = client()
-    group = _groups.get(c)
-    if group is not None:
-        return group
+    mine = gpu_key(devices)
+    groups = _groups.setdefault(c, {})
+    if mine in groups:
+        return groups[mine]
     if c.encrypted:
-        raise ValueError("dense_transport='allreduce' would send gradients over gloo, which neither "
-                         "authenticates nor encrypts; with PS_CURVE_KEYS set use dense_transport='ps'")
+        raise ValueError("dense_transport='allreduce' would send gradients over gloo or NCCL, neither "
+                         "of which authenticates or encrypts; with PS_CURVE_KEYS set use "
+                         "dense_transport='ps'")
     timeout = datetime.timedelta(seconds=c.timeout)
     host = c.config.node_host
     store = dist.TCPStore(host, 0, c.size, True, timeout, wait_for_workers=False) \
         if c.rank == 0 else None
-    root, port = broadcast_object((host, store.port) if store else None, 0, "allreduce.rendezvous")
+    found = allgather_object((mine, (host, store.port) if store else None), "allreduce.rendezvous")
     if store is None:
-        store = dist.TCPStore(root, port, c.size, False, timeout)
-    options = dist.ProcessGroupGloo._Options()  # what torch.distributed itself builds for gloo
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # the announced address
-    group = _groups[c] = dist.ProcessGroupGloo(store, c.rank, c.size, options)
+        store = dist.TCPStore(*found[0][1], c.size, False, timeout)
+    gpus = [gpu for gpu, _ in found]
+    if backend_for(gpus, dist.is_nccl_available()) == "nccl":
+        options = dist.ProcessGroupNCCL.Options()  # as torch.distributed itself builds it
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(store, c.rank, c.size, options)
+    else:
+        if any(gpus) and c.rank == 0:
+            why = ("this torch has no NCCL" if not dist.is_nccl_available() else
+                   "some workers' tensors are not on a GPU of their own" if not all(gpus) else
+                   "some workers share a GPU, which NCCL refuses")
+            warnings.warn(f"dense tensors are all-reduced over gloo, not NCCL: {why}", stacklevel=2)
+        options = dist.ProcessGroupGloo._Options()  # what torch.distributed itself builds for gloo
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]  # the announced address
+        group = dist.ProcessGroupGloo(store, c.rank, c.size, options)
+    groups[mine] = group
     return group
 
 
@@ -84,7 +130,7 @@ class Reduction:
 
     def __init__(self, name: str, tensor: torch.Tensor, lane: "DenseLane"):
         self.name, self.lane = name, lane
-        # gloo reduces contiguous memory only; a strided gradient goes through a copy
+        # gloo and NCCL reduce contiguous memory only; a strided gradient goes through a copy
         self.tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.work: dist.Work | None = None
         self._done = threading.Event()
@@ -92,9 +138,23 @@ class Reduction:
         self.local_nonfinite = not all_finite(self.tensor)  # this worker's own part
         self.nonfinite = False  # the average: alike on every worker (set by wait)
 
-    def launch(self, group: dist.ProcessGroupGloo) -> None:
+    def launch(self, group: Group) -> None:
         self.work = group.allreduce([self.tensor])
-        self.work.get_future().add_done_callback(lambda _: self._done.set())
+        if group.name() != "nccl":  # (NCCL's future completes once its kernels are queued)
+            self.work.get_future().add_done_callback(lambda _: self._done.set())
+
+    def _finished(self, within: float) -> bool:
+        """Whether the all-reduce has finished, waiting up to ``within`` seconds: gloo's
+        future says so, NCCL's kernels are asked (a wait on the GPU would hang with a lost peer,
+        unseen by the heartbeats)."""
+        if self.lane.group.name() != "nccl":
+            return self._done.wait(within)
+        until = time.monotonic() + within
+        while not self.work.is_completed():
+            if time.monotonic() > until:
+                return False
+            time.sleep(NCCL_POLL_S)
+        return True
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self.work is None:
@@ -102,7 +162,7 @@ class Reduction:
                                f"it in the order every worker starts them in is not ready yet")
         timeout = self.lane.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        while not self._done.wait(HEALTH_CHECK_S):
+        while not self._finished(HEALTH_CHECK_S):
             self.lane.check()  # a peer the heartbeats lost
             if time.monotonic() > deadline:
                 raise TimeoutError(f"dense all-reduce of {self.name!r} not done within {timeout:.1f} s")
@@ -120,10 +180,12 @@ class Reduction:
 class DenseLane:
     """Starts all-reduces in ``order`` (names) on every worker, one round after another."""
 
-    def __init__(self, group: dist.ProcessGroupGloo, order: list[str], timeout: float,
-                 check: Callable[[], None] = lambda: None):
-        """``check`` raises once the job cannot go on (the PS client's :meth:`check`)."""
+    def __init__(self, group: Group, order: list[str], timeout: float,
+                 check: Callable[[], None] = lambda: None, device: torch.device | str = "cpu"):
+        """``check`` raises once the job cannot go on (the PS client's :meth:`check`);
+        ``device``: where the group reduces (a GPU for NCCL), for the lane's own tensors."""
         self.group, self.timeout, self.check, self.size = group, timeout, check, group.size()
+        self.device = torch.device(device)
         self._index = {name: i for i, name in enumerate(order)}
         self._waiting: dict[int, Reduction] = {}
         self._next = 0
@@ -138,6 +200,7 @@ class DenseLane:
         overflowed."""
         table = torch.zeros(len(local), self.size)
         table[:, self.group.rank()] = torch.tensor(local, dtype=table.dtype)
+        table = table.to(self.device)
         self.group.allreduce([table]).wait()
         return [[r for r in range(self.size) if row[r]] for row in table.tolist()]
 

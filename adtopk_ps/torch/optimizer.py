@@ -14,13 +14,13 @@ import time
 from typing import Callable, Iterable, Mapping
 
 import torch
-import torch.distributed as dist
 
 from ..client import Handle
 from ..compression import Compressor, CostModel, Route, SparsificationPolicy, compression_speed
+from ..compression.cost import synchronize
 from .agreement import agree, describe
 from .compression import EveryTensor, compressor_of, is_cast
-from .dense_lane import DenseLane, Reduction, check_transport, worker_group
+from .dense_lane import DenseLane, Group, Reduction, check_transport, worker_group
 from .fusion import Bucket, fusion_bytes, plan_buckets
 from .objects import allgather_object
 from .ops import Average, averages
@@ -82,17 +82,25 @@ class GradientCompression:
         self.allreduce_bytes_per_s = 0.0  # likewise, where it timed the workers' all-reduce
         self.routes: dict[str, Route] = {}
 
-    def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0,
-                  group: dist.ProcessGroupGloo | None = None) -> CostModel:
-        """Measure dense push/pull throughput, a tiny key's round trip, compression speed and,
-        given the workers' ``group``, all-reduce throughput; every worker must call it.
+    def calibrate(self, probe_bytes: int = 8 << 20, fusion: int = 0, group: Group | None = None,
+                  device: torch.device | str = "cpu", lane_device: torch.device | str = "cpu") -> CostModel:
+        """Measure dense push/pull throughput, a tiny key's round trip, compression speed on
+        ``device`` (the gradients') and, given the workers' ``group``, all-reduce throughput on
+        ``lane_device`` (where that group reduces); every worker must call it.
         ``fusion``: the optimizer's bucket capacity in bytes."""
         probe = torch.zeros(probe_bytes // 4)
         link = _round_trip(probe, "cost-model.link", 3)
         key = _round_trip(torch.zeros(1), "cost-model.key", 6)
-        ring = _fastest(lambda: group.allreduce([probe]).wait(), 3) if group is not None else 0.0
+        ring = 0.0
+        if group is not None:
+            on_lane = probe.to(lane_device)
+
+            def all_reduce():
+                group.allreduce([on_lane]).wait()
+                synchronize(on_lane.device)  # (NCCL's wait returns once its kernels are queued)
+            ring = _fastest(all_reduce, 3)
         inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
-        speed = compression_speed(inner) if inner is not None else 0.0
+        speed = compression_speed(inner, device=device) if inner is not None else 0.0
         mine = torch.tensor([link, ring, speed, key], dtype=torch.float64)
         # every worker must route every tensor alike, or each waits for keys the others never
         # push: all decide from the same figures, the mean of every worker's own
@@ -175,10 +183,17 @@ class _Distributed:
             "fusion_bytes": capacity,
             "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
-        group = worker_group() if transport == "allreduce" or transport == "auto" and \
+        devices = [p.device for _, p in self._named]
+        group = worker_group(devices) if transport == "allreduce" or transport == "auto" and \
             not client().encrypted else None
+        # NCCL reduces on this worker's one GPU (worker_group's rule); gloo, from the CPU
+        lane_device = devices[0] if group is not None and group.name() == "nccl" else torch.device("cpu")
+        # the largest gradients are the ones the cost model decides about
+        device = max(self._named, key=lambda named: named[1].numel())[1].device if self._named \
+            else torch.device("cpu")
         if self._compression.measure_costs or transport == "auto":
-            self._compression.calibrate(fusion=capacity, group=group)
+            self._compression.calibrate(fusion=capacity, group=group, device=device,
+                                        lane_device=lane_device)
         self._compression.plan(self._named)
         self._passes_per_step = backward_passes_per_step
         self._passes: dict[int, int] = {}
@@ -187,7 +202,7 @@ class _Distributed:
         self._synchronized = False
         self._skip = False
         self._ps_steps = 0
-        self._capacity, self._group = capacity, group
+        self._capacity, self._group, self._lane_device = capacity, group, lane_device
         # the cost model's routes and, to time them against (see .trial), every tensor dense
         self._plans = [self._compression.routes]
         if self._compression.measure_costs and \
@@ -222,7 +237,7 @@ class _Distributed:
         # bucket's span never waits for the bucket to fill
         units = list(dict.fromkeys(bucket_of[id(p)].name if id(p) in bucket_of else name
                                    for name, p in self._named if name in dense))[::-1]
-        lane = DenseLane(self._group, units, client().timeout, client().check) \
+        lane = DenseLane(self._group, units, client().timeout, client().check, self._lane_device) \
             if self._compression.allreduce else None
         c = client()
         for name, p in self._named:
