@@ -116,7 +116,8 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
                        {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
     children += [Child(f"worker {i}", command,
-                       {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}, lock)
+                       {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
+                        "PS_DEVICE_INDEX": str(i)}, lock)
                  for i in range(num_workers)]
     return supervise(children, grace, timeout)
 

@@ -52,6 +52,8 @@ def test_auto_takes_the_local_ranks_gpu_where_there_is_one_else_the_cpu():
         if torch.cuda.is_available():  # more local workers than GPUs share them round-robin
             assert got == torch.device("cuda", rank % torch.cuda.device_count())
             assert resolve("cuda", {"BYTEPS_LOCAL_RANK": str(rank)}) == got
+            # bpslaunch --local's workers share one host: each takes its id's GPU
+            assert resolve("auto", {"BYTEPS_LOCAL_RANK": "0", "PS_DEVICE_INDEX": str(rank)}) == got
         else:
             assert got == torch.device("cpu")
 

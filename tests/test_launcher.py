@@ -316,10 +316,12 @@ def test_interrupting_bpslaunch_stops_every_role_within_2_s_with_one_line_each(s
 
 
 def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
-    """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept. (The
+    """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept; each
+    takes its id as its device index (all share one host's GPUs). (The
     workers end with status 5 once both have printed: the servers would otherwise wait for them
     to join.)"""
-    program = ("import os, sys, time, pathlib; print('threads', os.environ['OMP_NUM_THREADS'], flush=True); "
+    program = ("import os, sys, time, pathlib; print('threads', os.environ['OMP_NUM_THREADS'], "
+               "'index', os.environ['DMLC_WORKER_ID'], os.environ['PS_DEVICE_INDEX'], flush=True); "
                f"d = pathlib.Path({str(tmp_path)!r}) / os.environ['OMP_NUM_THREADS']; d.mkdir(exist_ok=True); "
                "(d / os.environ['DMLC_WORKER_ID']).touch(); end = time.time() + 20\n"
                "while len(list(d.iterdir())) < 2 and time.time() < end: time.sleep(0.05)\n"
@@ -332,3 +334,4 @@ def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
                              env={**env, **FAST}, capture_output=True, text=True, timeout=60)
         assert run.returncode == 5, run.stdout
         assert re.findall(r"\[worker \d\] threads (\d+)", run.stdout) == [threads] * 2, run.stdout
+        assert sorted(re.findall(r"index (\d) (\d)", run.stdout)) == [("0", "0"), ("1", "1")]

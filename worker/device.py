@@ -1,7 +1,9 @@
 """Which device a worker trains on, decided before it joins the cluster.
 
 ``device`` in the job config: ``auto`` takes this host's GPU for the worker's local rank
-(``BYTEPS_LOCAL_RANK``, set by ``bpslaunch`` for every local process) where a GPU is visible,
+(``BYTEPS_LOCAL_RANK``, set by ``bpslaunch`` for every local process; ``PS_DEVICE_INDEX``
+where it is set, as ``bpslaunch --local`` does with each worker's id, since all its workers
+share one host) where a GPU is visible,
 the CPU otherwise; ``cuda`` insists on a GPU and refuses to start without one (a GPU job that
 fell back to the CPU would run for hours at a fraction of the speed and report nothing wrong);
 ``cpu`` never touches a GPU. More local workers than GPUs share them round-robin.
@@ -46,8 +48,9 @@ def resolve(spec: str, environ: Mapping[str, str] | None = None) -> torch.device
             return torch.device("cpu")
         raise ConfigError(f"config key device='cuda': no GPU to train on: {_no_gpu(environ)}; "
                           f"set device: cpu, or auto to take a GPU only where there is one")
-    local_rank = env_int("BYTEPS_LOCAL_RANK", 0, minimum=0, environ=environ)
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    index = env_int("PS_DEVICE_INDEX", env_int("BYTEPS_LOCAL_RANK", 0, minimum=0, environ=environ),
+                    minimum=0, environ=environ)
+    return torch.device("cuda", index % torch.cuda.device_count())
 
 
 def describe(device: torch.device) -> str:
