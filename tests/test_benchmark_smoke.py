@@ -107,6 +107,20 @@ def test_e2e_benchmark_reports_what_crossing_the_barrier_hides(tmp_path):
                      r"barrier, \d+ ms without, forward \+ backward alone \d+ ms", report), report
 
 
+def test_e2e_benchmark_runs_over_loopback_where_namespaces_cannot_be_made(tmp_path):
+    """--links loopback: every role on this machine, unshaped (a GPU container without the
+    privilege to make namespaces); PS and DDP systems both run."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "e2e.py"), "--models", "vgg-1024", "--links", "loopback",
+         "--systems", "ps-adtopk", "ddp-dense", "--trials", "1", "--steps", "2", "--warmup", "1",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = (tmp_path / "e2e-vgg-1024.md").read_text()
+    for system in ("ps-adtopk", "ddp-dense"):
+        assert re.search(rf"^\| {system}( \(chose [^)]*\))? \| [\d.]+ \|", report, re.M), report
+    assert "loopback" in report
+
+
 def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:

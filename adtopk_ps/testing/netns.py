@@ -69,6 +69,13 @@ def hosts(names: Sequence[str], subnet: str = "10.213.0", rate: str = "1gbit",
             _ip("netns", "del", ns, check=False)
 
 
+@contextmanager
+def loopback(names: Sequence[str]) -> Iterator[dict[str, tuple[None, str]]]:
+    """The same hosts all on this machine's loopback, unshaped: for machines that cannot make
+    namespaces (a container without the privilege). :func:`run_in` runs their commands here."""
+    yield {name: (None, "127.0.0.1") for name in names}
+
+
 def shape(ns: str, dev: str, rate: str, delay: str) -> None:
     """netem (rate and delay) on what ``dev`` sends where the kernel has it, else tbf (rate only)."""
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
@@ -81,10 +88,11 @@ def shape(ns: str, dev: str, rate: str, delay: str) -> None:
                        timeout=30)
 
 
-def run_in(ns: str, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
-    """``argv`` on host ``ns``; it ends with this process (a harness killed by a timeout
-    leaves no role processes behind)."""
-    return subprocess.Popen(guarded(["ip", "netns", "exec", ns, *argv]), env=env, **popen)
+def run_in(ns: str | None, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
+    """``argv`` on host ``ns`` (None: this machine, see :func:`loopback`); it ends with this
+    process (a harness killed by a timeout leaves no role processes behind)."""
+    where = [] if ns is None else ["ip", "netns", "exec", ns]
+    return subprocess.Popen(guarded([*where, *argv]), env=env, **popen)
 
 
 def loss_unavailable() -> str | None:
