@@ -165,19 +165,28 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
 {
     Py_ssize_t g = group_size(n, c->k), m = g ? n / g : 0, start = 0;
     float threshold = -1.0f;  /* below every |x|: every entry is a candidate */
+    float t = -1.0f;
     c->size = 0;
     if (g && group_maxima(x, m, g, c->maxima)) {
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
-        float t = kth_largest(c->scratch, c->scratch + m, m, c->k);
-        threshold = nextafterf(t, -INFINITY);  /* entries equal to t are candidates */
+        t = kth_largest(c->scratch, c->scratch + m, m, c->k);
+        threshold = t;  /* entries above t first; ties at t fill in below */
         for (Py_ssize_t j = 0; j < m; j++)
-            if (c->maxima[j] >= t)
+            if (c->maxima[j] > t)
                 for (Py_ssize_t i = j; i < g * m; i += m)
                     add(c, fabsf(x[i]), i, &threshold);
         start = m * g;  /* what fills no group is always read */
     }
     for (Py_ssize_t i = start; i < n; i++)
         add(c, fabsf(x[i]), i, &threshold);
+    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
+     * position. Reading them one by one as candidates cost a buffer compaction per 3k
+     * entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
+    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
+        if (fabsf(x[i]) == t) {
+            c->value[c->size] = t;
+            c->pos[c->size++] = i;
+        }
     if (c->size > c->k)
         keep_largest(c);
     for (Py_ssize_t t = 0; t < c->k; t++)
