@@ -26,6 +26,9 @@
 
 typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
+#ifdef __SSE__
+#include <xmmintrin.h>
+#endif
 
 typedef struct {
     float *value;   /* |x| of a candidate */
@@ -121,6 +124,20 @@ static Py_ssize_t group_size(Py_ssize_t n, Py_ssize_t k)
     return 0;
 }
 
+/* Group maxima computed side by side: one chain of maxima waits on each max's latency */
+#define LANES 4
+
+/* The larger of a and b lane by lane (NaN in a gives b: the caller looks for NaN itself) */
+static inline v4f larger(v4f a, v4f b)
+{
+#ifdef __SSE__
+    return (v4f)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    v4i up = a > b;
+    return (v4f)((up & (v4i)a) | (~up & (v4i)b));
+#endif
+}
+
 /* Largest |x| of every group; group j holds entries j, j + m, ..., j + (g-1)m, so the
  * maxima are an elementwise max of g slices (vector ops, no reduction across lanes).
  * False if a NaN was seen, which a max would hide. */
@@ -130,6 +147,21 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
     v4i nan = {0, 0, 0, 0};
     int nan_tail = 0;
     Py_ssize_t j = 0;
+    for (; j + 4 * LANES <= m; j += 4 * LANES) {  /* LANES independent chains of maxima */
+        v4f best[LANES];
+        for (int l = 0; l < LANES; l++)
+            best[l] = (v4f){0, 0, 0, 0};
+        for (Py_ssize_t q = 0; q < g; q++) {
+            for (int l = 0; l < LANES; l++) {
+                v4f b;
+                memcpy(&b, x + q * m + j + 4 * l, sizeof b);
+                b = (v4f)((v4i)b & magnitude);
+                nan |= b != b;
+                best[l] = larger(b, best[l]);
+            }
+        }
+        memcpy(maxima + j, best, sizeof best);
+    }
     for (; j + 4 <= m; j += 4) {
         v4f best = {0, 0, 0, 0};
         for (Py_ssize_t q = 0; q < g; q++) {
@@ -137,8 +169,7 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
             memcpy(&b, x + q * m + j, sizeof b);
             b = (v4f)((v4i)b & magnitude);
             nan |= b != b;
-            v4i up = b > best;
-            best = (v4f)((up & (v4i)b) | (~up & (v4i)best));
+            best = larger(b, best);
         }
         memcpy(maxima + j, &best, sizeof best);
     }
