@@ -118,9 +118,11 @@ def in_job(model_name: str, ratio: float, repeats: int, batch: int, clock=time.p
     ``clock`` is wall time or, on a loaded machine, this thread's CPU time."""
     from e2e import MODELS  # the e2e benchmark's models, built as its workers build them
     from worker.models import build
-    arch, spec, inputs = MODELS[model_name]
-    if inputs != "images":
-        raise SystemExit(f"--in-job supports the image models, not {model_name!r}")
+    images = sorted(name for name, (_, _, inputs) in MODELS.items() if inputs == "images")
+    if model_name not in images:
+        raise SystemExit(f"--in-job takes one of benchmarks/e2e.py's image models {images}, "
+                         f"got {model_name!r}")
+    arch, spec, _ = MODELS[model_name]
     torch.manual_seed(0)
     model = build(arch, spec)
     gen = torch.Generator().manual_seed(1)
