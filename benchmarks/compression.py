@@ -9,11 +9,20 @@ those, so the noise of a shared machine mostly cancels.
     python benchmarks/compression.py                 # the full table
     python benchmarks/compression.py --shapes 256x256 --densities 0.01
     python benchmarks/compression.py --device cuda   # whole gradient sets on a device
+    python benchmarks/compression.py --in-job vgg     # ADTopk against top-k as the job sees them
+
+``--in-job MODEL`` compares ADTopk with global top-k, both with error
+feedback, on the tensors the training job actually compresses: the model of
+benchmarks/e2e.py of that name, its real gradients, the sparsification
+policy's routes and the client's server partitions (each partition with its
+own residual, as the engine keeps them). Every repeat is one training step's
+gradients, compressed by both in turns whose order alternates.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -202,6 +211,96 @@ def main_sets(device: torch.device, sets: list[str], dtype: torch.dtype, density
     print(set_table(rows, device, dtype, density), flush=True)
 
 
+IN_JOB = ("adtopk", "topk")
+
+
+def job_partitions(model: torch.nn.Module, ratio: float) -> list[tuple[str, str, slice, float]]:
+    """What the job compresses each step: (layer, partition name, its rows, density) for every
+    partition of every tensor the policy sends sparse, split as the client splits them."""
+    from adtopk_ps.client import part_name
+    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, partition_rows
+    from adtopk_ps.env import env_int
+    # the job's own setting, read as ClusterConfig reads it
+    partition_bytes = env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1)
+    routes = SparsificationPolicy(ratio).plan(model.named_parameters())
+    parts = []
+    for name, p in model.named_parameters():
+        if routes[name].dense:
+            continue
+        for i, (start, rows) in enumerate(partition_rows(tuple(p.shape), p.element_size(),
+                                                         partition_bytes)):
+            parts.append((name, part_name(name, i), slice(start, start + rows), routes[name].ratio))
+    return parts
+
+
+def in_job(model_name: str, ratio: float, repeats: int, batch: int, clock=time.perf_counter) -> dict:
+    """Seconds per step for each layer and compressor (one list entry per repeat), on real
+    gradients of ``model_name`` (one SGD step between repeats, so the residuals evolve);
+    ``clock`` is wall time or, on a loaded machine, this thread's CPU time."""
+    from e2e import MODELS  # the e2e benchmark's models, built as its workers build them
+    from worker.models import build
+    images = sorted(name for name, (_, _, inputs) in MODELS.items() if inputs == "images")
+    if model_name not in images:
+        raise SystemExit(f"--in-job takes one of benchmarks/e2e.py's image models {images}, "
+                         f"got {model_name!r}")
+    arch, spec, _ = MODELS[model_name]
+    torch.manual_seed(0)
+    model = build(arch, spec)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, 32, 32, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    parts = job_partitions(model, ratio)
+    params = dict(model.named_parameters())
+    comps = {c: create({"compressor": c, "k": ratio, "ef": "vanilla"}) for c in IN_JOB}
+    times = {c: {layer: [] for layer, *_ in parts} for c in IN_JOB}
+    for rep in range(repeats + 1):  # the first creates every residual, untimed
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        for c in IN_JOB if rep % 2 else IN_JOB[::-1]:
+            spent = dict.fromkeys(times[c], 0.0)
+            for layer, part, rows, density in parts:
+                grad = params[layer].grad[rows]
+                started = clock()
+                comps[c].compress(grad, part, rep, density)
+                spent[layer] += clock() - started
+            if rep:
+                for layer, s in spent.items():
+                    times[c][layer].append(s)
+        opt.step()
+    shapes = {layer: (tuple(params[layer].shape),
+                      sorted({tuple(params[layer][rows].shape) for name, part, rows, _ in parts
+                              if name == layer}))
+              for layer, *_ in parts}
+    return {"times": times, "shapes": shapes, "partitions": len(parts)}
+
+
+def spread(values: list[float]) -> str:
+    """Median and range in ms."""
+    return (f"{statistics.median(values) * 1e3:.2f} "
+            f"({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})")
+
+
+def in_job_table(model_name: str, ratio: float, found: dict, what: str) -> str:
+    times, shapes = found["times"], found["shapes"]
+    a, t = IN_JOB
+    out = [f"### In the job: {model_name}, density {ratio}, {found['partitions']} partitions, "
+           f"{len(next(iter(times[a].values())))} steps", "",
+           f"{what} ms per step, median (range); error feedback on; each partition keeps its "
+           f"own residual",
+           "", f"| layer | shape | partitions | {a} ms | {t} ms | {t} / {a} |", "|---|---|---|---:|---:|---:|"]
+    for layer, (shape, seen) in shapes.items():
+        ta, tt = times[a][layer], times[t][layer]
+        out.append(f"| {layer} | {shape} | {', '.join(map(str, seen))} | {spread(ta)} | {spread(tt)} "
+                   f"| {statistics.median(tt) / statistics.median(ta):.2f} |")
+    total = {c: [sum(step) for step in zip(*times[c].values())] for c in IN_JOB}
+    ratios = [b / x for x, b in zip(total[a], total[t])]
+    out.append(f"| total | | | {spread(total[a])} | {spread(total[t])} | "
+               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+    out += ["", f"The total's ratio is per step ({t} over {a} on the same gradients), median (range)."]
+    return "\n".join(out)
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     return tuple(int(d) for d in text.lower().split("x"))
 
@@ -218,11 +317,26 @@ def main() -> None:
                     default=["resnet50", "vgg16", "bert-base"], help="gradient sets for --device")
     ap.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
                     help="gradient dtype for --device")
+    ap.add_argument("--in-job", metavar="MODEL",
+                    help="instead: ADTopk against top-k on the partitions the job sends for this "
+                         "model of benchmarks/e2e.py (vgg, vgg-2048, vgg-1024, resnet18)")
+    ap.add_argument("--repeats", type=int, default=10, help="--in-job: steps timed")
+    ap.add_argument("--batch", type=int, default=32, help="--in-job: batch size of the gradients")
+    ap.add_argument("--cpu-time", action="store_true",
+                    help="--in-job: time the thread's CPU seconds, not wall seconds (a loaded machine)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.device:
         main_sets(torch.device(args.device), args.sets, getattr(torch, args.dtype),
                   args.densities[0], args.budget)
+        return
+    if args.in_job:
+        print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)\n")
+        for density in args.densities:
+            clock = time.thread_time if args.cpu_time else time.perf_counter
+            found = in_job(args.in_job, density, args.repeats, args.batch, clock)
+            print(in_job_table(args.in_job, density, found, "CPU" if args.cpu_time else "wall"),
+                  "\n", flush=True)
         return
     shapes = args.shapes or [s for group in SHAPES.values() for s in group]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); mean time per call\n")

@@ -31,6 +31,20 @@ def test_compression_benchmark_prints_a_row_per_compressor():
     assert values_and_indices < int(adtopk.group(1).replace(",", "")) < values_and_indices + 200
 
 
+def test_compression_benchmark_in_job_compares_adtopk_and_topk_on_the_job_partitions():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compression.py"), "--in-job", "vgg-1024",
+         "--repeats", "2", "--densities", "0.01", "--cpu-time"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    # every tensor the policy sends sparse, with the partitions the client cuts it into
+    # (Linear(2048, 1024): 8 MiB in partitions of 500 rows, the last of 24)
+    assert re.search(r"^\| classifier\.1\.weight \| \(1024, 2048\) \| \(24, 2048\), \(500, 2048\) "
+                     r"\| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \|$", out, re.M), out
+    assert not re.search(r"^\| (features\.0|[\w.]+\.bias) ", out, re.M)  # dense: not compressed
+    assert re.search(r"^\| total \| \| \| [\d.]+ .* \| [\d.]+ \([\d.]+-[\d.]+\) \|$", out, re.M), out
+
+
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     # the smallest run that still crosses namespace hosts: PS systems and a DDP system

@@ -76,6 +76,23 @@ def test_all_zero_fibres_give_distinct_positions():
     assert all(len(set(row)) == 16 for row in got.tolist())
 
 
+def test_ties_at_the_threshold_fill_in_by_position():
+    # fewer than k entries above the k-th largest group maximum: the rest are its ties, the
+    # first by position, wherever they lie (groups or the tail past the last whole group);
+    # zero rows (a dead unit's gradient) are all ties
+    x = torch.zeros(4, 1030)
+    x[1, [3, 600, 1027]] = torch.tensor([-5.0, 4.0, 6.0])
+    x[2, 1024:] = 3.0  # 6 ties in the tail, and 2 in the groups
+    x[2, [10, 700]] = -3.0
+    x[3] = torch.randn(1030)
+    got = select.fibre_topk(x, 8)
+    assert got[0].tolist() == list(range(8))
+    assert set(got[1].tolist()) >= {3, 600, 1027} and set(got[1].tolist()) - {3, 600, 1027} == \
+        set(range(6)) - {3}
+    assert set(got[2].tolist()) == {10, 700, *range(1024, 1030)}
+    assert torch.equal(magnitudes(x, got), magnitudes(x, torch_positions(x, 8)))
+
+
 @pytest.mark.parametrize("shape", [(250, 4096), (64, 128, 3, 3)])
 def test_adtopk_uses_the_kernel_on_layer_shapes(shape):
     x = torch.randn(shape)

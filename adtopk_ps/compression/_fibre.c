@@ -26,6 +26,9 @@
 
 typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
+#ifdef __SSE__
+#include <xmmintrin.h>
+#endif
 
 typedef struct {
     float *value;   /* |x| of a candidate */
@@ -121,6 +124,20 @@ static Py_ssize_t group_size(Py_ssize_t n, Py_ssize_t k)
     return 0;
 }
 
+/* Group maxima computed side by side: one chain of maxima waits on each max's latency */
+#define LANES 4
+
+/* The larger of a and b lane by lane (NaN in a gives b: the caller looks for NaN itself) */
+static inline v4f larger(v4f a, v4f b)
+{
+#ifdef __SSE__
+    return (v4f)_mm_max_ps((__m128)a, (__m128)b);
+#else
+    v4i up = a > b;
+    return (v4f)((up & (v4i)a) | (~up & (v4i)b));
+#endif
+}
+
 /* Largest |x| of every group; group j holds entries j, j + m, ..., j + (g-1)m, so the
  * maxima are an elementwise max of g slices (vector ops, no reduction across lanes).
  * False if a NaN was seen, which a max would hide. */
@@ -130,6 +147,21 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
     v4i nan = {0, 0, 0, 0};
     int nan_tail = 0;
     Py_ssize_t j = 0;
+    for (; j + 4 * LANES <= m; j += 4 * LANES) {  /* LANES independent chains of maxima */
+        v4f best[LANES];
+        for (int l = 0; l < LANES; l++)
+            best[l] = (v4f){0, 0, 0, 0};
+        for (Py_ssize_t q = 0; q < g; q++) {
+            for (int l = 0; l < LANES; l++) {
+                v4f b;
+                memcpy(&b, x + q * m + j + 4 * l, sizeof b);
+                b = (v4f)((v4i)b & magnitude);
+                nan |= b != b;
+                best[l] = larger(b, best[l]);
+            }
+        }
+        memcpy(maxima + j, best, sizeof best);
+    }
     for (; j + 4 <= m; j += 4) {
         v4f best = {0, 0, 0, 0};
         for (Py_ssize_t q = 0; q < g; q++) {
@@ -137,8 +169,7 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
             memcpy(&b, x + q * m + j, sizeof b);
             b = (v4f)((v4i)b & magnitude);
             nan |= b != b;
-            v4i up = b > best;
-            best = (v4f)((up & (v4i)b) | (~up & (v4i)best));
+            best = larger(b, best);
         }
         memcpy(maxima + j, &best, sizeof best);
     }
@@ -165,19 +196,28 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
 {
     Py_ssize_t g = group_size(n, c->k), m = g ? n / g : 0, start = 0;
     float threshold = -1.0f;  /* below every |x|: every entry is a candidate */
+    float t = -1.0f;
     c->size = 0;
     if (g && group_maxima(x, m, g, c->maxima)) {
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
-        float t = kth_largest(c->scratch, c->scratch + m, m, c->k);
-        threshold = nextafterf(t, -INFINITY);  /* entries equal to t are candidates */
+        t = kth_largest(c->scratch, c->scratch + m, m, c->k);
+        threshold = t;  /* entries above t first; ties at t fill in below */
         for (Py_ssize_t j = 0; j < m; j++)
-            if (c->maxima[j] >= t)
+            if (c->maxima[j] > t)
                 for (Py_ssize_t i = j; i < g * m; i += m)
                     add(c, fabsf(x[i]), i, &threshold);
         start = m * g;  /* what fills no group is always read */
     }
     for (Py_ssize_t i = start; i < n; i++)
         add(c, fabsf(x[i]), i, &threshold);
+    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
+     * position. Reading them one by one as candidates cost a buffer compaction per 3k
+     * entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
+    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
+        if (fabsf(x[i]) == t) {
+            c->value[c->size] = t;
+            c->pos[c->size++] = i;
+        }
     if (c->size > c->k)
         keep_largest(c);
     for (Py_ssize_t t = 0; t < c->k; t++)
