@@ -64,6 +64,13 @@ def reference(x: torch.Tensor, k: int) -> torch.Tensor:
                     scan = list(range(n))
                 rank = {p: i for i, p in enumerate(scan)}
                 chosen = sorted(sorted(scan, key=lambda p: (-mag[p], rank[p]))[:k], key=rank.get)
+                if g and not f[:g * m].isnan().any():
+                    # t, the k-th largest group maximum: fewer than k entries above it, and the
+                    # rest are the entries equal to it, first by position
+                    t = sorted((max(mag[r * m + c] for r in range(g)) for c in range(m)), reverse=True)[k - 1]
+                    above = [p for p in scan if mag[p] > t]
+                    if len(above) < k:
+                        chosen = above + [p for p in range(n) if mag[p] == t][:k - len(above)]
             out[a, :, j] = torch.tensor(chosen)
     return out.view(lead, k, *x.shape[2:])
 

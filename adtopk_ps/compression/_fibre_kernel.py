@@ -145,13 +145,20 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
         need = k - (_sum2(above.to(tl.int32)) + tl.sum(tabove.to(tl.int32), 1))
         nans = _sum2(((magnitude > INF_KEY) & valid).to(tl.int32))
         by_group = (g > 1) & (nans == 0)
+        # where the k-th largest group maximum is the k-th largest entry (fewer than k entries
+        # above it), the entries equal to it fill in by position, after those above
+        fill = by_group & (tl.sum((tl.max(key, 1) >= kth[:, None]).to(tl.int32), 1) >= k)
         tie, ttie = key == kth3, tkey == kth2
-        tie_rank, ttie_rank = _order_rank(tie, ttie, by_group)
+        tie_rank, ttie_rank = _order_rank(tie, ttie, by_group & ~fill)
         sel = above | (tie & (tie_rank < need[:, None, None]))
         tsel = tabove | (ttie & (ttie_rank < need[:, None]))
         sel = sel & valid
         tsel = tsel & tvalid
         slot, tslot = _order_rank(sel, tsel, by_group)
+        above_slot, tabove_slot = _order_rank(above & valid, tabove & tvalid, by_group)
+        fill_at = k - need
+        slot = tl.where(fill[:, None, None], tl.where(above, above_slot, fill_at[:, None, None] + tie_rank), slot)
+        tslot = tl.where(fill[:, None], tl.where(tabove, tabove_slot, fill_at[:, None] + ttie_rank), tslot)
 
     out_at = a3 * k * R + slot * R + j3
     tl.store(v_ptr + out_at, x, mask=sel)

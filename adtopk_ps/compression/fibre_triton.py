@@ -19,7 +19,10 @@ writes for float32, so payloads are equal bit for bit:
   ``m = n // g``, position ``r*m + c`` (r < g) comes at ``c*g + r`` and the last
   ``n - g*m`` positions after all of those, in order. Ties at the k-th
   magnitude go to the earliest in that order, and the k positions are written
-  in it. A fibre with no groups (g = 0), or with a NaN among its grouped
+  in it; except where the k-th largest group maximum is the k-th largest
+  magnitude (fewer than k entries above it, as in a fibre of zeros): then the
+  entries above it come in scan order, and those equal to it fill the rest
+  by position. A fibre with no groups (g = 0), or with a NaN among its grouped
   positions, is scanned in plain position order.
 
 On CPU, float16 and bfloat16 take torch's own selections, whose order (and
