@@ -350,7 +350,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--ratio", type=float, default=0.01, help="density of the sparsifiers")
-    ap.add_argument("--target", type=float, default=0.80, help="test accuracy to reach")
+    ap.add_argument("--target", type=float, default=0.78, help="test accuracy to reach")
     ap.add_argument("--eval-every", type=int, default=20, help="steps between evaluations")
     ap.add_argument("--cap", type=float, default=300.0, help="seconds of training per system at most")
     ap.add_argument("--max-steps", type=int, default=5000)
