@@ -213,7 +213,7 @@ def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
     job = [sys.executable, __file__, "--worker", "--system", system, "--master", net["worker0"][1],
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKER_ARGS)]
     limit = args.cap + GRACE_S
-    procs, logs = [], []
+    procs, logs, codes = [], [], None
     with tempfile.TemporaryDirectory(prefix="tta-") as tmp:
         try:
             for role in roles:
@@ -225,7 +225,7 @@ def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
                 logs.append(open(Path(tmp) / f"{role}.log", "w+"))  # files: no pipe can fill and stall a role
                 procs.append(netns.run_in(net[role][0], argv, role_env, stdout=logs[-1],
                                           stderr=subprocess.STDOUT, text=True, cwd=ROOT))
-            overran = wait_all(procs, limit)
+            codes = wait_all(procs, limit)
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -239,9 +239,10 @@ def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
     results = [json.loads(line.split("RESULT ", 1)[1]) for out in outputs
                for line in out.splitlines() if "RESULT " in line]  # bpslaunch prefixes its roles' lines
     tail = "\n".join(f"--- {role}\n{out[-1500:]}" for role, out in zip(roles, outputs))
-    if overran:
+    if codes is None:
         return {"error": f"killed after {limit} s without finishing", "log": tail}
-    failed = [f"{role} exited with {p.returncode}" for role, p in zip(roles, procs) if p.returncode]
+    # the roles that ended badly by themselves, before the rest were stopped
+    failed = [f"{role} exited with {code}" for role, code in zip(roles, codes) if code]
     if failed or len(results) != args.workers:
         error = next((ln.strip() for out in outputs for ln in reversed(out.splitlines()) if "Error" in ln),
                      ", ".join(failed) or f"{len(results)} of {args.workers} workers reported")
@@ -253,17 +254,17 @@ def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
     return lead
 
 
-def wait_all(procs: list[subprocess.Popen], limit: float) -> bool:
-    """Wait until every process has ended, one has failed, or ``limit`` seconds have passed
-    (then True); a failed role would leave the others waiting for it until their own
-    time-outs."""
+def wait_all(procs: list[subprocess.Popen], limit: float) -> list[int | None] | None:
+    """Wait until every process has ended or one has failed (a failed role would leave the
+    others waiting for it until their own time-outs): their exit codes then, None for those
+    still running; None where ``limit`` seconds passed first."""
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes) or any(codes):
-            return False
+            return codes
         time.sleep(0.2)
-    return True
+    return None
 
 
 WORKER_ARGS = ("workers", "seed", "hidden", "width", "batch", "lr", "momentum", "ratio", "target",
@@ -372,8 +373,12 @@ def main() -> None:
                  "train_limit", "test_limit"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not 0 < args.target <= 1 or not 0 < args.ratio <= 1 or args.cap <= 0 or args.lr <= 0:
-        ap.error("--target and --ratio must lie in (0, 1], --cap and --lr above 0")
+    for name in ("target", "ratio"):
+        if not 0 < getattr(args, name) <= 1:
+            ap.error(f"--{name} must lie in (0, 1], got {getattr(args, name)}")
+    for name in ("cap", "lr"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name} must be above 0, got {getattr(args, name)}")
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
