@@ -182,3 +182,69 @@ def test_compression_benchmark_times_a_gradient_set_on_a_device():
     row = re.search(r"^\| tiny \(0\.5 M\) \| 3 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| - \|",
                     out, re.M)
     assert row and all(float(v) > 0 for v in row.groups()), out
+
+
+def _fashion_missing() -> str | None:
+    from worker.data import DatasetUnavailable, fashion_files
+    try:
+        fashion_files()
+    except DatasetUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.skipif(SKIP is not None or _fashion_missing() is not None, reason=SKIP or _fashion_missing() or "")
+def test_time_to_accuracy_runs_both_kinds_to_a_target(tmp_path):
+    # the smallest run that still trains a PS system and a DDP system across namespace hosts
+    target, every, cap_steps = 0.15, 5, 10
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "time_to_accuracy.py"), "--systems", "ps-adtopk", "ddp-dense",
+         "--hidden", "64", "--width", "8", "--batch", "16", "--target", str(target), "--eval-every", str(every),
+         "--max-steps", str(cap_steps), "--cap", "60", "--train-limit", "1000", "--test-limit", "200",
+         "--out", str(tmp_path), "--stem", "tta"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PS_OVERLAP_TRIAL_STEPS": "1"})  # the shortest overlap trial
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = (tmp_path / "tta.md").read_text()
+    assert "evaluation time is excluded from the wall clock" in report
+    assert "    sudo python benchmarks/time_to_accuracy.py --systems ps-adtopk ddp-dense" in report
+    for system in ("ps-adtopk", "ddp-dense"):
+        reached = re.search(rf"^\| {system} \| ([\d.]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+                            rf"(?:[\d.]+x sooner|-) \|$", report, re.M)
+        missed = re.search(rf"^\| {system} \| not reached in the step cap \| not reached in {cap_steps} steps \| "
+                           rf"- \| ([\d.]+) \| ([\d.]+) \| - \|$", report, re.M)
+        assert reached or missed, report
+        if reached:  # at an evaluation, with the target's accuracy, having sent something
+            wall, steps, mib, accuracy = (float(v) for v in reached.groups()[:4])
+            assert wall > 0 and steps % every == 0 and 0 < steps <= cap_steps and mib > 0, report
+            assert accuracy >= target, report
+        else:
+            assert float(missed.group(1)) < target, report
+    if re.search(r"^\| ddp-dense \| [\d.]+ \|", report, re.M):
+        assert re.search(r"^\| ddp-dense \|.* 1\.00x sooner \|$", report, re.M), report  # its own baseline
+    assert (tmp_path / "tta.png").stat().st_size > 10_000
+
+
+def test_time_to_accuracy_report_sets_each_system_against_dense_ddp():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import time_to_accuracy as tta
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    args = tta.argparse.Namespace(target=0.5, link="1gbit", width=8, hidden=64, workers=2, servers=2,
+                                  batch=16, lr=0.05, momentum=0.9, ratio=0.01, device="cpu", seed=0,
+                                  test_limit=200, eval_every=10, cap=30.0, max_steps=100, note="", stem="t")
+
+    def run(end, *points):
+        return {"end": end, "params": 1000, "device": "cpu",
+                "curve": [{"step": 0, "wall_s": 0.0, "accuracy": 0.1}] +
+                         [{"step": s, "wall_s": w, "sent": b, "accuracy": a} for s, w, b, a in points]}
+    results = {"ddp-dense": run("reached", (10, 5.0, 2**20, 0.3), (20, 10.0, 2**21, 0.55)),
+               "ps-adtopk": run("reached", (10, 4.0, 2**19, 0.6)),
+               "ps-topk": run("cap", (10, 31.0, 2**19, 0.4)),
+               "ps-dense": {"error": "server0 exited with 1"}}
+    report = tta.report(results, args, "cmd")
+    assert "| ddp-dense | 10.0 | 20 | 2.0 | 0.550 | 0.500 | 1.00x sooner |" in report
+    assert "| ps-adtopk | 4.0 | 10 | 0.5 | 0.600 | 0.400 | 2.50x sooner |" in report
+    assert "| ps-topk | not reached in 31 s | not reached in 10 steps | - | 0.400 | 3.100 | - |" in report
+    assert "| ps-dense | failed: server0 exited with 1 ||||||" in report
