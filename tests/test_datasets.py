@@ -116,7 +116,8 @@ def test_a_missing_dataset_fails_the_config_before_joining(tmp_path):
 
 
 @pytest.mark.parametrize("override, words", [
-    ("dataset_args={side: 20}", "side=20 is smaller than its 28x28 images"),
+    ("dataset_args={side: 20}", "side=20 must be from 28"),
+    ("dataset_args={side: 100000}", "side=100000 must be from 28 .* to 256"),
     ("dataset_args={root: 7}", "dataset_args.root=7: must be a string"),
     ("dataset_args={train_limit: 0}", "dataset_args.train_limit=0: must be an integer >= 1"),
     ("dataset_args={trian_limit: 5}", "did you mean 'train_limit'"),
@@ -149,3 +150,71 @@ def test_the_job_learns_fashion_mnist_on_a_slice(tmp_path):
     result = json.loads(summary.read_text())
     assert result["accuracy"] > 0.6, result  # 10 classes: chance is 0.1
     assert result["bytes_pushed"] > 0
+
+
+def fake_fashion(root: Path, train: int = 40, test: int = 20, labels=None, images=None) -> Path:
+    """A small dataset in Fashion-MNIST's four files (``labels``/``images``: replacements for
+    the training set's, as (code, letter, shape, values))."""
+    root.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    for prefix, count in (("train", train), ("t10k", test)):
+        pixels = torch.randint(0, 256, (count * 28 * 28,), generator=gen).tolist()
+        image = idx_bytes(0x08, "B", (count, 28, 28), pixels)
+        label = idx_bytes(0x08, "B", (count,), [i % 10 for i in range(count)])
+        if prefix == "train" and images is not None:
+            image = idx_bytes(*images)
+        if prefix == "train" and labels is not None:
+            label = idx_bytes(*labels)
+        (root / f"{prefix}-images-idx3-ubyte.gz").write_bytes(gzip.compress(image))
+        (root / f"{prefix}-labels-idx1-ubyte.gz").write_bytes(gzip.compress(label))
+    return root
+
+
+def test_a_small_dataset_in_the_same_files_loads(tmp_path):
+    data = fashion_mnist(root=str(fake_fashion(tmp_path / "ok")))
+    assert data.x_train.shape == (40, 1, 28, 28) and data.y_test.tolist() == [i % 10 for i in range(20)]
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"labels": (0x08, "B", (40,), [200] + [1] * 39)}, "label 200 at index 0 is outside the 10 classes"),
+    ({"labels": (0x09, "b", (40,), [1] * 39 + [-3])}, "expected 40 uint8 labels, got torch.int8"),
+    ({"labels": (0x08, "B", (39,), [1] * 39)}, "expected 40 uint8 labels, got torch.uint8 \\[39\\]"),
+    ({"images": (0x0C, "i", (40, 28, 28), [100000] * (40 * 28 * 28))}, "expected uint8 images \\[N, 28, 28\\], got torch.int32"),
+    ({"images": (0x08, "B", (40, 32, 32), [0] * (40 * 32 * 32))}, "expected uint8 images \\[N, 28, 28\\], got torch.uint8 \\[40, 32, 32\\]"),
+])
+def test_foreign_contents_are_refused_naming_the_file(tmp_path, change, words):
+    root = fake_fashion(tmp_path / "bad", **change)
+    with pytest.raises(DatasetUnavailable, match=words) as err:
+        fashion_mnist(root=str(root))
+    assert str(root) in str(err.value)
+
+
+def test_a_corrupt_stream_and_a_folder_for_a_file_are_named(tmp_path):
+    root = fake_fashion(tmp_path / "flip")
+    path = root / "train-labels-idx1-ubyte.gz"
+    raw = bytearray(path.read_bytes())
+    raw[10] ^= 0xFF  # inside the deflate stream: zlib's own error
+    path.write_bytes(bytes(raw))
+    with pytest.raises(IdxError, match=f"{path}: not a readable gzip file"):
+        fashion_mnist(root=str(root))
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(DatasetUnavailable, match=f"{path} is not a regular file"):
+        fashion_mnist(root=str(root))
+
+
+def test_a_damaged_dataset_stops_the_worker_before_it_joins(tmp_path):
+    root = fake_fashion(tmp_path / "bad", labels=(0x08, "B", (40,), [12] * 40))
+    run = subprocess.run([sys.executable, "-m", "worker", "--config", FASHION, "--set",
+                          f"dataset_args={{root: {root}}}"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)  # no cluster at all: it must not try to join one
+    assert run.returncode == 2, run.stderr
+    assert "label 12 at index 0 is outside the 10 classes" in run.stderr
+
+
+def test_fewer_examples_than_workers_is_refused_by_every_worker(tmp_path):
+    root = fake_fashion(tmp_path / "tiny")
+    run = train_job(2, 1, "--steps", "3", "--set", "progress=false", "--set",
+                    f"dataset_args={{root: {root}, train_limit: 1}}", config=FASHION, timeout=120)
+    assert run.returncode == 2, run.stdout[-2000:]
+    assert "the dataset has 1 training example(s), fewer than the 2 workers" in run.stdout

@@ -18,6 +18,7 @@ FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                  "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 # the training images' mean and standard deviation, over all 60,000 of them
 FASHION_MEAN, FASHION_STD = 0.2860, 0.3530
+MAX_SIDE = 256  # padding beyond this is a typo, not a model's input size
 
 
 class DatasetUnavailable(ValueError):
@@ -33,6 +34,11 @@ class Dataset:
     task: str  # "classify" or "lm"
 
     def shard(self, rank: int, size: int) -> "Dataset":
+        """Every ``size``-th training example from ``rank`` on; refused where some worker would
+        get none (it would push zero gradients and train nothing)."""
+        if len(self.x_train) < size:
+            raise DatasetUnavailable(f"the dataset has {len(self.x_train)} training example(s), "
+                                     f"fewer than the {size} workers")
         return Dataset(self.x_train[rank::size], self.y_train[rank::size], self.x_test,
                        self.y_test, self.task)
 
@@ -69,6 +75,9 @@ def fashion_files(root: str = FASHION_MNIST) -> list[Path]:
     """Fashion-MNIST's four IDX files; raises :class:`DatasetUnavailable` naming the package
     that installs them when any is missing."""
     paths = [Path(root) / name for name in FASHION_FILES]
+    odd = [p for p in paths if p.exists() and not p.is_file()]
+    if odd:
+        raise DatasetUnavailable(f"Fashion-MNIST: {odd[0]} is not a regular file")
     missing = [p.name for p in paths if not p.is_file()]
     if missing:
         how = ("install Debian's package: apt-get install dataset-fashion-mnist"
@@ -85,11 +94,22 @@ def fashion_mnist(root: str = FASHION_MNIST, train_limit: int = 60000, test_limi
     slice); ``side`` > 28 pads the images with the background, for models laid out for 32x32.
     """
     check_available("fashion-mnist", {"root": root, "side": side})
-    train_x, train_y, test_x, test_y = (read_idx(p) for p in fashion_files(root))
-    for images, labels, what in ((train_x, train_y, "training"), (test_x, test_y, "test")):
-        if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
-            raise DatasetUnavailable(f"Fashion-MNIST in {root}: the {what} images "
-                                     f"{list(images.shape)} and labels {list(labels.shape)} do not match")
+    paths = fashion_files(root)
+    train_x, train_y, test_x, test_y = (read_idx(p) for p in paths)
+    for images, labels, (image_path, label_path) in ((train_x, train_y, paths[:2]),
+                                                     (test_x, test_y, paths[2:])):
+        if images.dtype != torch.uint8 or images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) \
+                or len(images) == 0:
+            raise DatasetUnavailable(f"{image_path}: expected uint8 images [N, 28, 28], got "
+                                     f"{images.dtype} {list(images.shape)}")
+        if labels.dtype != torch.uint8 or labels.dim() != 1 or len(labels) != len(images):
+            raise DatasetUnavailable(f"{label_path}: expected {len(images)} uint8 labels, got "
+                                     f"{labels.dtype} {list(labels.shape)}")
+        outside = (labels > 9).nonzero()
+        if len(outside):
+            at = int(outside[0])
+            raise DatasetUnavailable(f"{label_path}: label {int(labels[at])} at index {at} is "
+                                     "outside the 10 classes 0..9")
 
     def prepared(images: torch.Tensor, limit: int) -> torch.Tensor:
         x = (images[:limit].to(torch.float32).unsqueeze(1) / 255.0 - FASHION_MEAN) / FASHION_STD
@@ -134,8 +154,9 @@ def check_available(name: str, spec: dict) -> None:
     that a worker says so before it joins the cluster rather than after."""
     if name == "fashion-mnist":
         fashion_files(spec.get("root", FASHION_MNIST))
-        if spec.get("side", 28) < 28:
-            raise DatasetUnavailable(f"Fashion-MNIST: side={spec['side']} is smaller than its 28x28 images")
+        if not 28 <= spec.get("side", 28) <= MAX_SIDE:
+            raise DatasetUnavailable(f"Fashion-MNIST: side={spec['side']} must be from 28 (the "
+                                     f"images' own) to {MAX_SIDE}")
 
 
 def load(name: str, seed: int, spec: dict | None = None) -> Dataset:

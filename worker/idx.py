@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import struct
+import zlib
 from pathlib import Path
 
 import torch
@@ -32,7 +33,7 @@ def read_idx(path: Path) -> torch.Tensor:
     if raw[:2] == b"\x1f\x8b":
         try:
             raw = gzip.decompress(raw)
-        except (OSError, EOFError) as exc:
+        except (OSError, EOFError, zlib.error) as exc:
             raise IdxError(f"{path}: not a readable gzip file ({exc})") from None
     return parse_idx(raw, str(path))
 

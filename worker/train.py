@@ -23,7 +23,7 @@ from adtopk_ps.transport import ClusterError
 from . import checkpoint
 from . import config as job_config
 from . import device as job_device
-from .data import Dataset, load
+from .data import Dataset, DatasetUnavailable, load
 from .models import build
 from .validate import OPTIMIZERS
 
@@ -103,9 +103,10 @@ def agree_on_config(cfg: dict, device: torch.device) -> None:
                                + (f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""))
 
 
-def train(cfg: dict, args, device: torch.device) -> dict:
+def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     """Train on ``device``: the data, the model, its optimizer state and the residuals all live
-    there (checkpoints are saved from the CPU and load onto whatever device this run has)."""
+    there (checkpoints are saved from the CPU and load onto whatever device this run has).
+    ``dataset`` is read before joining, so that a damaged one stops this worker at once."""
     if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
         torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
     torch.manual_seed(cfg["seed"])
@@ -113,7 +114,7 @@ def train(cfg: dict, args, device: torch.device) -> dict:
     rank, size = bps.rank(), bps.size()
     print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
     agree_on_config(cfg, device)
-    data = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"]).shard(rank, size).to(device)
+    data = dataset.shard(rank, size).to(device)
     model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
                                    make_compression(cfg), nonfinite=cfg["nonfinite"])
@@ -186,14 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = job_config.load(args)  # validated in full before this worker joins the cluster
         device = job_device.resolve(cfg["device"])  # likewise: no GPU for device: cuda
+        dataset = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"])  # and a damaged dataset
     except ValueError as exc:  # (EnvError too: a malformed BYTEPS_LOCAL_RANK)
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = train(cfg, args, device)
+        summary = train(cfg, args, device, dataset)
     except BaseException as exc:
         end_progress_lines()  # an error never shares a line with the bar
-        if isinstance(exc, EnvError):  # started outside bpslaunch, or with a bad DMLC_* variable
+        if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
+            # DMLC_* variable, or a dataset too small for the workers (every worker finds it)
             print(f"worker: {exc}", file=sys.stderr, flush=True)
             return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
