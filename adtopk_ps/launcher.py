@@ -204,8 +204,11 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
 def share_cores(env: dict, workers: int) -> None:
     """Give each of ``workers`` processes on this host its share of the cores, unless the user
     set OMP_NUM_THREADS: each would otherwise take them all, and they would slow each other."""
-    if "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
+    if env.get("OMP_NUM_THREADS", "").strip():
+        env_int("OMP_NUM_THREADS", minimum=1, environ=env)  # torch would ignore a bad one
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env["OMP_NUM_THREADS"] = str(max(1, cores // workers))
 
 
 def local_size(environ: Mapping[str, str]) -> int:

@@ -21,8 +21,11 @@ on. ``--shard I/N`` runs every N-th pending run, so N machines (or N sittings) s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +37,7 @@ import torch
 import yaml
 
 from adtopk_ps.compression import SparsificationPolicy, create
+from adtopk_ps.deathsig import guarded
 from worker.models import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +73,12 @@ def plan(tasks: list[str], densities: list[float], seeds: list[int], compressors
                 if seed == seeds[0] and d == densities[0]:
                     runs += [Run(task, c, d, seed) for c in OTHERS if c in compressors]
     return runs
+
+
+def shard(runs: list[Run], pending: list[Run], index: int, count: int) -> list[Run]:
+    """The pending runs of shard ``index`` of ``count``: split over the whole plan, so that every
+    sitting of a shard takes the same share whatever the others have done meanwhile."""
+    return [r for r in runs[index - 1::count] if r in pending]
 
 
 def sparsified_shapes(config: Path) -> list[tuple[int, ...]]:
@@ -121,16 +131,42 @@ def execute(run: Run, ratio: float | None, args: argparse.Namespace, results: Pa
     for item in args.set:
         cmd += ["--set", item]
     began = time.time()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout + 60, cwd=ROOT)
+    out = subprocess.run(guarded(cmd), capture_output=True, text=True, timeout=args.run_timeout + 60, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{run.tag} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     record = {"task": run.task, "compressor": run.compressor, "density": run.density,
               "seed": run.seed, "ratio": ratio, "summary": json.loads(summary.read_text()),
               "curve": [json.loads(line) for line in metrics.read_text().splitlines()],
-              "elapsed_s": time.time() - began, "device": args.device or "auto"}
+              "elapsed_s": time.time() - began, "settings": settings(run.task, args)}
     metrics.unlink()
     summary.unlink()
     return record
+
+
+def settings(task: str, args: argparse.Namespace) -> dict:
+    """What else decides a run's result: runs stored with other settings are not this study's."""
+    config = hashlib.sha256(TASKS[task].read_bytes()).hexdigest()[:16]
+    return {"config_sha256": config, "workers": args.workers, "servers": args.servers,
+            "device": args.device, "set": list(args.set)}
+
+
+def store(path: Path, record: dict) -> None:
+    """Whole or not at all: a study stopped while writing leaves no half record."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(record) + "\n")
+    os.replace(partial, path)
+
+
+def stored(path: Path) -> dict | None:
+    """The record at ``path``, or None (naming the file) where it cannot be read."""
+    try:
+        record = json.loads(path.read_text())
+        if not isinstance(record, dict) or not {"task", "summary", "curve", "settings"} <= set(record):
+            raise ValueError("not a run record")
+        return record
+    except (OSError, ValueError) as exc:
+        print(f"{path}: unreadable ({exc}); the run counts as not done", file=sys.stderr, flush=True)
+        return None
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -166,8 +202,8 @@ def welch(a: list[float], b: list[float]) -> tuple[float, float] | None:
 
 
 def load_results(results: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(results.glob("*.json"))
-            if not p.name.endswith(".summary.json")]
+    found = (stored(p) for p in sorted(results.glob("*.json")) if not p.name.endswith(".summary.json"))
+    return [r for r in found if r is not None]
 
 
 def groups(records: list[dict], task: str, density: float) -> dict[str, list[dict]]:
@@ -253,8 +289,6 @@ def chart(task: str, density: float, by_method: dict[str, list[dict]], path: Pat
     by_bytes.set(xlabel="MiB pushed per worker", ylabel=ylabel, xscale="log", title="against bytes sent")
     for ax in (by_step, by_bytes):
         ax.grid(alpha=0.3)
-        if higher_is_better(task):
-            ax.set_ylim(60, 95)
     by_bytes.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -305,11 +339,19 @@ def main() -> None:
     if not (index.isdigit() and count.isdigit() and 1 <= int(index) <= int(count)):
         ap.error(f"--shard {args.shard!r}: must be I/N with 1 <= I <= N")
     results = Path(args.results)
+    if args.report and not results.is_dir():
+        ap.error(f"--results {results}: no such folder")
     results.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run in flight is stopped
     if not args.report:
-        pending = [r for r in plan(args.tasks, args.densities, args.seeds, args.compressors)
-                   if not (results / f"{r.tag}.json").exists()]
-        mine = pending[int(index) - 1::int(count)]
+        runs = plan(args.tasks, args.densities, args.seeds, args.compressors)
+        records = {r: stored(results / f"{r.tag}.json") for r in runs if (results / f"{r.tag}.json").exists()}
+        for run, record in records.items():  # a record of other settings is not this study's
+            if record is not None and record["settings"] != settings(run.task, args):
+                ap.error(f"{results / (run.tag + '.json')} was made with other settings "
+                         f"({record['settings']}, now {settings(run.task, args)}): use another --results folder")
+        pending = [r for r in runs if records.get(r) is None]
+        mine = shard(runs, pending, int(index), int(count))
         print(f"{len(pending)} run(s) pending; this shard runs {len(mine)}", flush=True)
         ratios: dict[tuple[str, str, float], float] = {}
         for i, run in enumerate(mine, 1):
@@ -320,11 +362,14 @@ def main() -> None:
                     ratios[key] = matching_ratio(run.compressor, run.density, sparsified_shapes(TASKS[run.task]))
                 ratio = ratios[key]
             record = execute(run, ratio, args, results)
-            (results / f"{run.tag}.json").write_text(json.dumps(record) + "\n")
+            store(results / f"{run.tag}.json", record)
             s = record["summary"]
             print(f"[{i}/{len(mine)}] {run.tag}: accuracy {s['accuracy']:.4f} loss {s['loss']:.4f} "
                   f"in {record['elapsed_s']:.0f} s", flush=True)
-    text = report(load_results(results), args)
+    records = load_results(results)
+    if not records:
+        ap.error(f"--results {results}: no runs stored")
+    text = report(records, args)
     Path(args.out, "convergence.md").write_text(text + "\n")
     print(text)
 

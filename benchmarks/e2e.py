@@ -164,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
         bps.init()
     if system["kind"] == "ddp" or paired:
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500",
+        dist.init_process_group("gloo", init_method=f"tcp://{args.master}",
                                 rank=int(os.environ["DMLC_WORKER_ID"]), world_size=args.workers)
     result = {"params": sum(p.numel() for p in model.parameters())}
     ratio = args.ratio
@@ -357,23 +357,26 @@ def hidden_share(overlapped: dict, without: dict) -> str:
 
 def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
     from adtopk_ps.allocator import keep_freed_memory
+    from adtopk_ps.launcher import free_port
     from adtopk_ps.testing import netns
     kind = SYSTEMS[system]["kind"]
+    shared = net["scheduler"][0] is None  # loopback: every role on this machine, so no fixed ports
     workers = [f"worker{i}" for i in range(args.workers)]
     roles = (["scheduler"] + [f"server{i}" for i in range(args.servers)] if kind == "ps" else []) + workers
     # DDP's workers get the allocator settings bpslaunch gives ours, so compute costs the same
     env = keep_freed_memory({k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))})
-    env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
+    env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT=str(free_port() if shared else 9000),
                DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
                # gloo's own address lookup would leave the namespace; likewise NCCL's (the hybrid
                # lane, GPU workers)
-               GLOO_SOCKET_IFNAME="lo" if net["scheduler"][0] is None else "eth0",
-               NCCL_SOCKET_IFNAME="lo" if net["scheduler"][0] is None else "eth0")
+               GLOO_SOCKET_IFNAME="lo" if shared else "eth0",
+               NCCL_SOCKET_IFNAME="lo" if shared else "eth0")
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", net["worker0"][1],
+           "--ratio", str(args.ratio), "--workers", str(args.workers),
+           "--master", f"{net['worker0'][1]}:{free_port() if shared else 29500}",
            "--device", args.device] + \
         (["--paired"] if args.paired else [])
     procs = []
@@ -674,6 +677,8 @@ def main() -> None:
     (out / f"{stem}.md").write_text(text + "\n")
     chart(best, results, out / f"{stem}.png")
     print(text)
+    if all("error" in r for trials in results.values() for runs in trials.values() for r in runs):
+        sys.exit("e2e benchmark: every run failed (see above)")
 
 
 if __name__ == "__main__":

@@ -167,6 +167,18 @@ def test_convergence_study_resumes_and_reports(tmp_path):
     assert record["summary"]["steps"] == 8 and [p["step"] for p in record["curve"]] == [4, 8]
     again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0 and "0 run(s) pending" in again.stdout
+    other = subprocess.run([*argv, "--set", "optimizer.lr=0.01"], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT)  # stored runs of other settings are not this study's
+    assert other.returncode == 2 and "was made with other settings" in other.stderr
+    damaged = tmp_path / "runs" / "fashion-dense-s1.json"
+    damaged.write_text(damaged.read_text()[:300])  # a record cut short: named, and run again
+    redo = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert redo.returncode == 0 and "1 run(s) pending" in redo.stdout
+    assert f"{damaged}: unreadable" in redo.stderr and json.loads(damaged.read_text())["seed"] == 1
+    missing = subprocess.run([sys.executable, "benchmarks/convergence.py", "--report", "--results",
+                              str(tmp_path / "typo"), "--out", str(tmp_path)], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+    assert missing.returncode == 2 and "no such folder" in missing.stderr
     report = (tmp_path / "convergence.md").read_text()
     assert "| adtopk | 2 |" in report and "| dense | 2 |" in report
     assert "- adtopk vs dense:" in report
@@ -248,3 +260,19 @@ def test_time_to_accuracy_report_sets_each_system_against_dense_ddp():
     assert "| ps-adtopk | 4.0 | 10 | 0.5 | 0.600 | 0.400 | 2.50x sooner |" in report
     assert "| ps-topk | not reached in 31 s | not reached in 10 steps | - | 0.400 | 3.100 | - |" in report
     assert "| ps-dense | failed: server0 exited with 1 ||||||" in report
+
+
+def test_convergence_shards_split_the_whole_plan_the_same_way_every_sitting():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import convergence
+    finally:
+        sys.path.pop(0)
+    runs = convergence.plan(["fashion"], [0.01], [0, 1], ["none", "adtopk"])
+    assert len(runs) == 4
+    first = convergence.shard(runs, runs, 1, 2) + convergence.shard(runs, runs, 2, 2)
+    assert sorted(first, key=runs.index) == runs  # every run in exactly one shard
+    done_by_one = convergence.shard(runs, runs, 1, 2)
+    left = [r for r in runs if r not in done_by_one]
+    assert convergence.shard(runs, left, 2, 2) == convergence.shard(runs, runs, 2, 2)
+    assert convergence.shard(runs, left, 1, 2) == []

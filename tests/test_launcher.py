@@ -327,11 +327,19 @@ def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
                "while len(list(d.iterdir())) < 2 and time.time() < end: time.sleep(0.05)\n"
                "sys.exit(5)")
     clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    expected = str(max(1, (os.cpu_count() or 1) // 2))
-    for env, threads in ((clean, expected), ({**clean, "OMP_NUM_THREADS": "3"}, "3")):
+    expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for env, threads in ((clean, expected), ({**clean, "OMP_NUM_THREADS": "3"}, "3"),
+                         ({**clean, "OMP_NUM_THREADS": " "}, expected)):
         run = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
                               "2", "--num-servers", "1", "--", sys.executable, "-c", program],
                              env={**env, **FAST}, capture_output=True, text=True, timeout=60)
         assert run.returncode == 5, run.stdout
         assert re.findall(r"\[worker \d\] threads (\d+)", run.stdout) == [threads] * 2, run.stdout
         assert sorted(re.findall(r"index (\d) (\d)", run.stdout)) == [("0", "0"), ("1", "1")]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+def test_a_bad_omp_num_threads_is_refused_before_any_role_starts(value):
+    run = _run(["--local", "--", "true"], OMP_NUM_THREADS=value)
+    assert run.returncode == 2
+    assert "environment variable OMP_NUM_THREADS" in run.stderr and "scheduler" not in run.stdout

@@ -48,8 +48,8 @@ def resolve(spec: str, environ: Mapping[str, str] | None = None) -> torch.device
             return torch.device("cpu")
         raise ConfigError(f"config key device='cuda': no GPU to train on: {_no_gpu(environ)}; "
                           f"set device: cpu, or auto to take a GPU only where there is one")
-    index = env_int("PS_DEVICE_INDEX", env_int("BYTEPS_LOCAL_RANK", 0, minimum=0, environ=environ),
-                    minimum=0, environ=environ)
+    given = "PS_DEVICE_INDEX" if environ.get("PS_DEVICE_INDEX", "").strip() else "BYTEPS_LOCAL_RANK"
+    index = env_int(given, 0, minimum=0, environ=environ)
     return torch.device("cuda", index % torch.cuda.device_count())
 
 

@@ -182,7 +182,8 @@ def device(key: str, value: Any, cfg: Mapping) -> None:
     its GPU by its local rank."""
     if isinstance(value, str) and value.startswith("cuda:"):
         _fail(key, value, "name no GPU index: every worker takes the GPU of its local rank "
-                          "(BYTEPS_LOCAL_RANK); write cuda, and limit the GPUs with "
+                          "(BYTEPS_LOCAL_RANK, or PS_DEVICE_INDEX, which bpslaunch --local sets "
+                          "to the worker's id); write cuda, and limit the GPUs with "
                           "CUDA_VISIBLE_DEVICES")
     if isinstance(value, str) and value.lower() == "gpu":  # closest by spelling is 'cpu'
         _fail(key, value, f"did you mean 'cuda'? must be one of {sorted(DEVICES)}")
