@@ -73,6 +73,12 @@ def test_every_shipped_config_is_valid(name):
     ("batchsize=3", "batchsize: unknown key; did you mean 'batch_size'?"),
     ("batch_size.x=1", "config key batch_size is not a mapping"),
     ("batch_size=[1", "is not valid YAML"),
+    ("device=gpu", "device='gpu': did you mean 'cuda'? must be one of ['auto', 'cpu', 'cuda']"),
+    ("device=cude", "device='cude': did you mean 'cuda'? must be one of ['auto', 'cpu', 'cuda']"),
+    ("device=cuda:1", "device='cuda:1': name no GPU index: every worker takes the GPU of its local rank"),
+    ("device=metal", "device='metal': must be one of ['auto', 'cpu', 'cuda']"),
+    ("device=0", "device=0: must be one of ['auto', 'cpu', 'cuda']"),
+    ("devise=cpu", "devise: unknown key; did you mean 'device'?"),
 ])
 def test_a_bad_value_is_refused_naming_key_value_and_what_is_valid(override, words):
     with pytest.raises(ConfigError) as caught:
