@@ -169,7 +169,8 @@ def worker(args: argparse.Namespace) -> None:
         clock.start()
     if system["kind"] == "ps":
         bps.shutdown()
-    else:
+    else:  # both past the last broadcast before either closes its connections (gloo aborts a
+        dist.barrier()  # process whose peer hangs up under a collective in flight)
         dist.destroy_process_group()
     print("RESULT " + json.dumps({"rank": rank, "end": decision, "curve": curve,
                                   "params": sum(p.numel() for p in model.parameters()),

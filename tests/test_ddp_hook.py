@@ -1,4 +1,5 @@
 """The DDP communication hook on gloo gives the PS path's result for the same inputs."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,12 +12,14 @@ PROGRAM = str(Path(__file__).resolve().parent / "programs" / "hook_vs_ps.py")
 
 
 def test_ddp_hook_on_gloo_matches_the_parameter_server(tmp_path):
+    threads = {"OMP_NUM_THREADS": "1"}  # bit-equal gradients need the same kernels on both sides
     ps = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
-                   sys.executable, PROGRAM, "ps", str(tmp_path))
+                   sys.executable, PROGRAM, "ps", str(tmp_path), env=threads)
     assert ps.returncode == 0, ps.stdout[-3000:]
     init = tmp_path / "init"
     ddp = [subprocess.Popen([sys.executable, PROGRAM, "ddp", str(tmp_path), str(r), "2", str(init)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **threads})
            for r in range(2)]
     for p in ddp:
         out, _ = p.communicate(timeout=120)
