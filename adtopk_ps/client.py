@@ -43,9 +43,8 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
 
     The engine thread and the training thread hand the GIL back and forth at
     every gradient the backward pass produces; with Python's default each
-    hand-over can wait up to 5 ms. Measured side by side (e2e, 2 trials):
-    VGG at 1 Gbit/s 317 -> 285 ms per step, the engine's compression time
-    108 -> 75 ms; ResNet-18 at 10 Gbit/s 591 -> 473 ms.
+    hand-over can wait up to 5 ms, which the step then waits too
+    (docs/benchmark-e2e.md measures steps with this setting).
     """
     micros = env_int("PS_GIL_SWITCH_US", 200, minimum=0, environ=environ)
     if micros and micros / 1e6 < sys.getswitchinterval():
