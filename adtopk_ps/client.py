@@ -85,6 +85,7 @@ class Handle:
         self.nonfinite: set[int] = set()
 
     def done(self) -> bool:
+        """Whether the answer is complete (or the push failed); never blocks."""
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -190,6 +191,12 @@ class PSClient:
         policy's per-layer choice); ``step`` is what the compressor sees
         (default: how often this name was pushed), which a resumed job sets
         so that seeds and schedules continue.
+
+        Example::
+
+            client = PSClient()                       # from the DMLC environment
+            handle = client.push_pull(grad, "fc.weight", create("adtopk", ratio=0.01), out=grad)
+            handle.wait()                             # grad now holds the average over workers
         """
         self.check()
         meta = self._declare(name, tensor)

@@ -40,6 +40,8 @@ class PushRejected(ValueError):
 
 @dataclass
 class KeyState:
+    """One key's round: its shape and dtype, who has pushed, and the buffers the sum lands in."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
     sparse: bool
@@ -55,6 +57,7 @@ class KeyState:
     flagged: list[int] = field(default_factory=list)  # the same, of the last round answered
 
     def start_round(self, payload: Payload, owned: bool) -> None:
+        """Begin a round with its first push; a dense push received over the wire becomes the buffer itself."""
         vals = payload.values
         self.touched = None
         if owned and payload.codec == "dense" and vals.dtype == self.dtype and vals.is_contiguous():
@@ -72,6 +75,7 @@ class KeyState:
         self.clean[which] = False
 
     def add(self, payload: Payload) -> None:
+        """Add one more push of this round into its sum."""
         if self.touched is not None and payload.codec != "dense":
             self.touched.append(self._land(payload))
             return
@@ -200,6 +204,7 @@ class Aggregator:
         return in_dtype(self._answer(key, state, round), state.wire)
 
     def check_sender(self, sender: int) -> None:
+        """Refuse a push whose sender is not a worker rank."""
         if not 0 <= sender < self.num_workers:
             raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
 
