@@ -3,7 +3,9 @@
 For a Linear weight ``[out, in]`` each output row keeps its own
 ``k_f = max(1, floor(in * ratio))`` largest |g|; for a Conv ``[out, in, kh, kw]``
 each (out, kh, kw) fibre over the input channels does. Positions along axis 1
-are small, so they travel as uint8/uint16 and the row positions are implicit.
+are small, so they travel as uint8/uint16 and the row positions are implicit;
+rows that selected only zeros (units dead for the batch) are left out of the
+payload, which then names the rows it carries.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from . import fibre_triton
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, index_dtype
-from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk
+from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
 from .staging import Stage
 
 LAYOUTS = ("axis", "rows")
@@ -106,8 +108,12 @@ class ADTopk(Compressor):
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
                  values: torch.Tensor, nonfinite: bool) -> Payload:
+        """Rows of the view that selected only zeros (dead units) are left out."""
+        rows = live_rows(values)
+        if rows is not None:
+            values, positions = values.index_select(0, rows), positions.index_select(0, rows)
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
-                       positions.to(index_dtype(view[1])), view=view, nonfinite=nonfinite)
+                       positions.to(index_dtype(view[1])), view=view, rows=rows, nonfinite=nonfinite)
 
 
 class ADTopkInterleaved(ADTopk):

@@ -144,6 +144,16 @@ def above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     return torch.nonzero(flat.abs().le(threshold).logical_not_()).view(-1)
 
 
+def live_rows(values: torch.Tensor) -> torch.Tensor | None:
+    """The rows of a fibre selection ``[A, k, *rest]`` holding a nonzero value (a NaN counts),
+    or None where every row does. A dead unit's row selects only zeros, and leaving it out
+    of the payload changes neither the sum nor the residual."""
+    live = values.flatten(1).ne(0).any(1)
+    if bool(live.all()):
+        return None
+    return live.nonzero().view(-1)
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """Whether no entry of ``tensor`` is a NaN or an infinity.
 
