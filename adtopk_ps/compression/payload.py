@@ -153,12 +153,13 @@ class Payload:
     def buffers(self) -> list:
         """The values, then the indices if any, as zero-copy buffers, then the row set if any."""
         if self.host is not None:
-            return [_as_buffer(t) for t in self.host]
-        if self.indices is None:
-            return [_as_buffer(self.values)]
-        if self.rows is None:
-            return [_as_buffer(self.values), _as_buffer(self.indices)]
-        return [_as_buffer(self.values), _as_buffer(self.indices), self._row_frame()]
+            data = list(self.host)
+        else:
+            data = [self.values] if self.indices is None else [self.values, self.indices]
+        buffers = [_as_buffer(t) for t in data]
+        if self.rows is not None:
+            buffers.append(self._row_frame())
+        return buffers
 
     def _row_set(self) -> str:
         """The smaller encoding of ``rows`` (the bitmap on a tie)."""
