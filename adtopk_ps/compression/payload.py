@@ -318,6 +318,9 @@ def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor
     return torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=dtype)
 
 
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+
+
 def _row_set_nbytes(row_set: str, live: int, lead: int) -> int:
     if row_set == "bitmap":
         return (lead + 7) // 8
@@ -333,13 +336,16 @@ def _rows_from_buffer(buf, row_set: str, live: int, lead: int) -> torch.Tensor:
                            f"for {live} of {lead} rows")
     if row_set == "list":
         return _from_buffer(mv, index_dtype(lead), live, "row set").long()
-    bits = np.unpackbits(np.frombuffer(mv, dtype=np.uint8), bitorder="little")
-    if bits[lead:].any():
+    # counted before anything is unpacked: memory in proportion to the frame and to ``live``
+    data = np.frombuffer(mv, dtype=np.uint8)
+    if lead % 8 and data[-1] >> (lead % 8):
         raise PayloadError(f"row set bitmap sets bits past its {lead} rows")
-    rows = torch.from_numpy(np.flatnonzero(bits))
-    if rows.numel() != live:
-        raise PayloadError(f"row set bitmap names {rows.numel()} rows, the metadata says {live}")
-    return rows
+    named = int(_POPCOUNT[data].sum(dtype=np.int64))
+    if named != live:
+        raise PayloadError(f"row set bitmap names {named} rows, the metadata says {live}")
+    full = np.flatnonzero(data)
+    byte, bit = np.nonzero(np.unpackbits(data[full], bitorder="little").reshape(-1, 8))
+    return torch.from_numpy(full[byte] * 8 + bit)
 
 
 def _check_rows(rows: torch.Tensor, lead: int, carried: int) -> None:
