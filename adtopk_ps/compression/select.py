@@ -155,7 +155,10 @@ def live_rows(values: torch.Tensor) -> torch.Tensor | None:
     """The rows of a fibre selection ``[A, k, *rest]`` holding a nonzero value (a NaN counts),
     or None where every row does. A dead unit's row selects only zeros, and leaving it out
     of the payload changes neither the sum nor the residual."""
-    live = values.flatten(1).ne(0).any(1)
+    flat = values.flatten(1)
+    if flat.shape[1] == 0:  # an empty axis selects nothing: no row to leave out
+        return None
+    live = flat.ne(0).any(1)
     if bool(live.all()):
         return None
     return live.nonzero().view(-1)
