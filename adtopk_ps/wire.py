@@ -3,7 +3,8 @@
 Frame 0 is a msgpack header (protocol version, op, key, round, sender and,
 for messages that carry a tensor, the payload's codec, dtype, shape and
 counts); the frames after it are the raw little-endian value and index
-buffers, sent without copies. No float data ever travels inside msgpack.
+buffers, sent without copies (and, for a fibre payload that leaves out
+rows, the set of rows it carries). No float data ever travels inside msgpack.
 
 ``decode`` validates the header schema, the dtypes, the frame lengths and
 the index ranges before any tensor is built, and raises only ``WireError``.
@@ -22,7 +23,9 @@ import msgpack
 from .compression.payload import Payload, PayloadError
 
 #: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
-PROTOCOL = 2
+#: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
+#:    third frame naming the rows carried; see compression/payload.py)
+PROTOCOL = 3
 
 #: ops a header may name; ``TENSOR_OPS`` carry a payload.
 TENSOR_OPS = frozenset({"push", "result"})
@@ -33,7 +36,8 @@ CONTROL_OPS = frozenset({
 OPS = TENSOR_OPS | CONTROL_OPS
 
 _ENVELOPE = {"v": int, "op": str, "key": int, "round": int, "sender": int}
-_PAYLOAD_FIELDS = ("codec", "shape", "dtype", "vdtype", "count", "idtype", "view", "k", "seed")
+_PAYLOAD_FIELDS = ("codec", "shape", "dtype", "vdtype", "count", "idtype", "view", "k", "seed",
+                   "rows", "rowset")
 _MAX_RANKS = 1 << 16
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _MAX_HEADER_BYTES = 1 << 16

@@ -254,25 +254,29 @@ def in_job(model_name: str, ratio: float, repeats: int, batch: int, clock=time.p
     params = dict(model.named_parameters())
     comps = {c: create({"compressor": c, "k": ratio, "ef": "vanilla"}) for c in IN_JOB}
     times = {c: {layer: [] for layer, *_ in parts} for c in IN_JOB}
+    sent = {c: {layer: [] for layer, *_ in parts} for c in IN_JOB}  # wire bytes per step
     for rep in range(repeats + 1):  # the first creates every residual, untimed
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         for c in IN_JOB if rep % 2 else IN_JOB[::-1]:
             spent = dict.fromkeys(times[c], 0.0)
+            nbytes = dict.fromkeys(times[c], 0)
             for layer, part, rows, density in parts:
                 grad = params[layer].grad[rows]
                 started = clock()
-                comps[c].compress(grad, part, rep, density)
+                payload = comps[c].compress(grad, part, rep, density)
                 spent[layer] += clock() - started
+                nbytes[layer] += payload.nbytes
             if rep:
                 for layer, s in spent.items():
                     times[c][layer].append(s)
+                    sent[c][layer].append(nbytes[layer])
         opt.step()
     shapes = {layer: (tuple(params[layer].shape),
                       sorted({tuple(params[layer][rows].shape) for name, part, rows, _ in parts
                               if name == layer}))
               for layer, *_ in parts}
-    return {"times": times, "shapes": shapes, "partitions": len(parts)}
+    return {"times": times, "sent": sent, "shapes": shapes, "partitions": len(parts)}
 
 
 def spread(values: list[float]) -> str:
@@ -282,21 +286,25 @@ def spread(values: list[float]) -> str:
 
 
 def in_job_table(model_name: str, ratio: float, found: dict, what: str) -> str:
-    times, shapes = found["times"], found["shapes"]
+    times, sent, shapes = found["times"], found["sent"], found["shapes"]
     a, t = IN_JOB
     out = [f"### In the job: {model_name}, density {ratio}, {found['partitions']} partitions, "
            f"{len(next(iter(times[a].values())))} steps", "",
            f"{what} ms per step, median (range); error feedback on; each partition keeps its "
-           f"own residual",
-           "", f"| layer | shape | partitions | {a} ms | {t} ms | {t} / {a} |", "|---|---|---|---:|---:|---:|"]
+           f"own residual; bytes are the payloads' wire bytes per step, mean over the steps",
+           "", f"| layer | shape | partitions | {a} ms | {t} ms | {t} / {a} | {a} bytes | {t} bytes |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
     for layer, (shape, seen) in shapes.items():
         ta, tt = times[a][layer], times[t][layer]
         out.append(f"| {layer} | {shape} | {', '.join(map(str, seen))} | {spread(ta)} | {spread(tt)} "
-                   f"| {statistics.median(tt) / statistics.median(ta):.2f} |")
+                   f"| {statistics.median(tt) / statistics.median(ta):.2f} "
+                   f"| {statistics.mean(sent[a][layer]):,.0f} | {statistics.mean(sent[t][layer]):,.0f} |")
     total = {c: [sum(step) for step in zip(*times[c].values())] for c in IN_JOB}
+    total_sent = {c: statistics.mean(sum(step) for step in zip(*sent[c].values())) for c in IN_JOB}
     ratios = [b / x for x, b in zip(total[a], total[t])]
     out.append(f"| total | | | {spread(total[a])} | {spread(total[t])} | "
-               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")
+               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) "
+               f"| {total_sent[a]:,.0f} | {total_sent[t]:,.0f} |")
     out += ["", f"The total's ratio is per step ({t} over {a} on the same gradients), median (range)."]
     return "\n".join(out)
 

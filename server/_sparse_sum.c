@@ -21,26 +21,36 @@
     default: { typedef int64_t index_t; BODY; } break;   \
     }
 
-/* add(buf, numel, idx, idx_size, lead, n, rest, k, values, new) -> how many new positions.
- * values and idx are [lead, k, rest]; entry (a, t, j) lands at (a * n + idx) * rest + j
- * (a COO payload is lead = rest = 1, n = numel, k = its count). */
+/* add(buf, numel, idx, idx_size, lead, n, rest, k, values, new, rows) -> how many new positions.
+ * values and idx are [lead, k, rest]; entry (a, t, j) lands at (row(a) * n + idx) * rest + j,
+ * where row(a) is rows[a] (int64, increasing) if rows is not 0, else a and lead covers the
+ * buffer (a COO payload is lead = rest = 1, n = numel, k = its count, rows = 0). */
 static PyObject *add(PyObject *self, PyObject *args)
 {
-    unsigned long long buf_addr, idx_addr, values_addr, new_addr;
+    unsigned long long buf_addr, idx_addr, values_addr, new_addr, rows_addr;
     Py_ssize_t numel, lead, n, rest, k;
     int size;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KnKinnnnKK", &buf_addr, &numel, &idx_addr, &size, &lead, &n,
-                          &rest, &k, &values_addr, &new_addr))
+    if (!PyArg_ParseTuple(args, "KnKinnnnKKK", &buf_addr, &numel, &idx_addr, &size, &lead, &n,
+                          &rest, &k, &values_addr, &new_addr, &rows_addr))
         return NULL;
     if (size != 1 && size != 2 && size != 4 && size != 8) {
         PyErr_Format(PyExc_ValueError, "sparse add: index size %d is not 1, 2, 4 or 8", size);
         return NULL;
     }
-    if (lead < 0 || n < 1 || rest < 1 || k < 0 || lead * n * rest != numel) {
+    Py_ssize_t full = n >= 1 && rest >= 1 && numel % (n * rest) == 0 ? numel / (n * rest) : -1;
+    if (lead < 0 || full < 0 || k < 0 || (rows_addr ? lead > full : lead != full)) {
         PyErr_Format(PyExc_ValueError, "sparse add: view [%zd, %zd, %zd] does not cover %zd entries",
                      lead, n, rest, numel);
         return NULL;
+    }
+    const int64_t *rows = (const int64_t *)(uintptr_t)rows_addr;
+    for (Py_ssize_t a = 0; rows && a < lead; a++) {
+        if (rows[a] < 0 || rows[a] >= full || (a && rows[a] <= rows[a - 1])) {
+            PyErr_Format(PyExc_ValueError, "sparse add: row %lld at %zd is not increasing within "
+                         "[0, %zd)", (long long)rows[a], a, full);
+            return NULL;
+        }
     }
     Py_ssize_t count = lead * k * rest, bad = -1;
     int64_t low = 0, high = 0;
@@ -68,8 +78,8 @@ static PyObject *add(PyObject *self, PyObject *args)
     FOR_INDEX_TYPE(size, {
         const index_t *idx = (const index_t *)(uintptr_t)idx_addr;
         for (Py_ssize_t a = 0, t = 0; a < lead; a++) {
-            float *row = buf + a * n * rest;
-            int64_t base = a * n * rest;
+            int64_t base = (rows ? rows[a] : a) * n * rest;
+            float *row = buf + base;
             for (Py_ssize_t s = 0; s < k; s++)
                 for (Py_ssize_t j = 0; j < rest; j++, t++) {
                     int64_t at = (int64_t)idx[t] * rest + j;
@@ -124,7 +134,7 @@ static PyObject *drain(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"add", add, METH_VARARGS,
-     "add(buf, numel, idx, idx_size, lead, n, rest, k, values, new) -> count of new positions"},
+     "add(buf, numel, idx, idx_size, lead, n, rest, k, values, new, rows) -> count of new positions"},
     {"drain", drain, METH_VARARGS,
      "drain(buf, numel, listed, count, positions, values) -> count of nonzero sums read"},
     {NULL, NULL, 0, NULL},

@@ -30,23 +30,29 @@ def applies_to(buffer: torch.Tensor) -> bool:
 
 def applies(payload: Payload, buffer: torch.Tensor) -> bool:
     """Whether this path can add ``payload`` into ``buffer``."""
-    values, indices = payload.values, payload.indices
+    values, indices, rows = payload.values, payload.indices, payload.rows
     return (applies_to(buffer) and payload.codec in ("fibre", "coo") and values.dtype == torch.float32
             and values.device.type == "cpu" and values.is_contiguous()
-            and indices.dtype in _INDEX_DTYPES and indices.is_contiguous())
+            and indices.dtype in _INDEX_DTYPES and indices.is_contiguous()
+            and (rows is None or (rows.dtype == torch.int64 and rows.device.type == "cpu"
+                                  and rows.is_contiguous())))
 
 
 def add(buffer: torch.Tensor, payload: Payload) -> torch.Tensor:
-    """``buffer += decompress(payload)``; returns the flat positions that were zero before."""
+    """``buffer += decompress(payload)``; returns the flat positions that were zero before.
+    A fibre payload's rows are all of the view's, or those its row set names."""
     if payload.codec == "fibre":
         view = payload.view
-        lead, n, rest, k = view[0], view[1], math.prod(view[2:]), payload.values.shape[1]
+        lead, n, rest, k = payload.values.shape[0], view[1], math.prod(view[2:]), payload.values.shape[1]
     else:
         lead, n, rest, k = 1, buffer.numel(), 1, payload.count
+    if payload.count == 0:  # nothing lands (an empty row set has no memory to point at)
+        return torch.empty(0, dtype=torch.int64)
+    rows = 0 if payload.rows is None else payload.rows.data_ptr()
     fresh = torch.empty(payload.count, dtype=torch.int64)
     count = _sparse_sum.add(buffer.data_ptr(), buffer.numel(), payload.indices.data_ptr(),
                             payload.indices.element_size(), lead, n, rest, k,
-                            payload.values.data_ptr(), fresh.data_ptr())
+                            payload.values.data_ptr(), fresh.data_ptr(), rows)
     return fresh[:count]
 
 

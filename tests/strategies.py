@@ -24,4 +24,6 @@ def gradients(draw, shape_strategy=shapes, dtypes=DTYPES):
     x = torch.randn(shape, generator=gen) * draw(st.sampled_from([1e-3, 1.0, 100.0]))
     if draw(st.booleans()):  # exact ties and zeros are legal gradients too
         x = x.round()
+    if draw(st.booleans()):  # dead units: whole slices along dim 0 that are zero (or all of them)
+        x[torch.rand(shape[0], generator=gen) < draw(st.sampled_from([0.3, 1.0]))] = 0
     return x.to(dtype)

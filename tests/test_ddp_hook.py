@@ -33,3 +33,12 @@ def test_ddp_hook_on_gloo_matches_the_parameter_server(tmp_path):
                 assert torch.equal(results[other][step][name], grad), (step, name, other)
             sparse_seen |= bool((grad == 0).float().mean() > 0.5)
     assert sparse_seen  # some layers really went through the sparse path
+    # and the first Linear has dead units, other rows on each rank: payloads with row sets
+    sys.path.insert(0, str(Path(PROGRAM).parent))
+    from hook_vs_ps import model_and_inputs
+    dead = []
+    for rank in range(2):
+        model, [(x, y), _] = model_and_inputs(rank)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        dead.append(set(torch.nonzero(model[3].weight.grad.abs().sum(1) == 0).view(-1).tolist()))
+    assert dead[0] and dead[1] and dead[0] != dead[1], dead

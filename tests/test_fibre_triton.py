@@ -234,6 +234,32 @@ def test_wire_bytes_are_the_host_copy_and_decode_back(cpu_kernel):
     assert p2.host[0].data_ptr() == p.host[0].data_ptr()
 
 
+@interpreter_only
+def test_dead_rows_the_kernel_sends_as_zeros_sum_like_the_cpu_paths_row_set():
+    # the CUDA kernel keeps every row; the CPU path leaves rows of zeros out: both decode from
+    # the wire to the same tensor, and a server round of one of each sums exactly
+    from adtopk_ps import wire
+    from server.aggregator import Aggregator
+    g = sample((12, 300, 2), torch.float32, 9)
+    g[[0, 5, 6]] = 0
+    spec = {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}
+    a = create(spec).compress(g, "w")
+    fibre_triton.CPU_TENSORS = True
+    try:
+        b = create(spec).compress(g, "w")
+    finally:
+        fibre_triton.CPU_TENSORS = False
+    assert a.rows.tolist() == [1, 2, 3, 4, 7, 8, 9, 10, 11] and b.rows is None and b.host is not None
+    assert not b.values[[0, 5, 6]].any()
+    decoded = [wire.decode([bytes(f) for f in wire.encode("push", key=1, payload=p)]).payload
+               for p in (a, b)]
+    assert same_bits(decoded[0].decompress(), decoded[1].decompress())
+    assert same_bits(decoded[0].decompress(), a.decompress())
+    agg = Aggregator(2)
+    agg.push(1, 0, 0, decoded[1], owned=True)
+    assert torch.equal(agg.push(1, 0, 1, decoded[0], owned=True).decompress(), a.decompress() * 2)
+
+
 def test_bad_input_is_refused_by_name():
     if triton is None:
         pytest.skip(NO_TRITON)

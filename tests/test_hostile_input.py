@@ -20,7 +20,9 @@ SHAPES = [(64, 300), (200,), (16, 3, 5, 5)]
 
 def _grad(shape, worker, rnd, i):
     gen = torch.Generator().manual_seed(worker * 1000 + rnd * 10 + i)
-    return torch.randint(-8, 9, shape, generator=gen).float()
+    grad = torch.randint(-8, 9, shape, generator=gen).float()
+    grad[(torch.arange(shape[0]) + worker + rnd) % 5 == 0] = 0  # dead units: pushes with row sets
+    return grad
 
 
 def _honest(client, results, progress, stop=None):
@@ -59,7 +61,16 @@ def _hostile_messages(honest_key):
 
     bad_index = bytearray(push[2])
     bad_index[0] = 200  # the axis is 40 long
+    dead = torch.randn(8, 40)
+    dead[::2] = 0  # rows 1, 3, 5, 7 carried: a list of 4 rows against a 1-byte bitmap
+    rows = [bytes(f) for f in wire.encode("push", key=999, round=0, sender=1,
+                                          payload=create("adtopk", ratio=0.1).compress(dead, "x", 0))]
+    assert msgpack.unpackb(rows[0])["rowset"] == "bitmap"
     return {
+        "row set": ([*rows[:3], bytes([0b10101011])], "row set bitmap names 5 rows, the metadata says 4"),
+        "row count": ([msgpack.packb({**msgpack.unpackb(rows[0]), "rows": 8, "count": 32}), *rows[1:]],
+                      "rows 8 outside [0, 8)"),
+        "row frame": (rows[:3], "with a row set needs 3 buffer(s), got 2"),
         "garbage": ([b"\x00\xff\x13"], "not valid msgpack"),
         "protocol": (with_header(v=1), "protocol version 1 is not supported"),  # before seeded.py
         "dtype": (with_header(vdtype="int64"), "vdtype 'int64' not allowed"),
@@ -136,17 +147,17 @@ def test_limits_refuse_what_exceeds_them_and_the_server_keeps_serving():
 
 
 _FIELDS = ["v", "op", "key", "round", "sender", "codec", "shape", "dtype", "vdtype", "idtype",
-           "count", "view", "k", "seed"]
+           "count", "view", "k", "seed", "rows", "rowset"]
 _VALUES = st.one_of(st.integers(-2**63, 2**64 - 1), st.integers(-3, 70), st.text(max_size=8), st.none(),
                     st.lists(st.integers(-5, 2**40), max_size=5), st.binary(max_size=8),
                     st.floats(allow_nan=True), st.booleans())
 MUTATIONS = st.one_of(
     st.tuples(st.just("field"), st.sampled_from(_FIELDS), _VALUES),
     st.tuples(st.just("drop-field"), st.sampled_from(_FIELDS)),
-    st.tuples(st.just("truncate"), st.integers(0, 2), st.integers(0, 400)),
-    st.tuples(st.just("drop-frame"), st.integers(0, 2)),
+    st.tuples(st.just("truncate"), st.integers(0, 3), st.integers(0, 400)),
+    st.tuples(st.just("drop-frame"), st.integers(0, 3)),
     st.tuples(st.just("extra-frame"), st.binary(max_size=64)),
-    st.tuples(st.just("flip"), st.integers(0, 2), st.integers(0, 10**6), st.integers(1, 255)),
+    st.tuples(st.just("flip"), st.integers(0, 3), st.integers(0, 10**6), st.integers(1, 255)),
 )
 
 
@@ -182,6 +193,10 @@ def test_structured_mutations_get_error_replies_and_honest_rounds_stay_exact():
              for name in ("adtopk", "topk", "randomk")]
     bases.append(wire.encode("push", key=998, round=0, sender=1,
                              payload=create("none").compress(torch.randn(30), "x", 0)))
+    dead = torch.randn(8, 40)
+    dead[[0, 3, 4]] = 0  # a fibre payload with a row set (a third frame)
+    bases.append(wire.encode("push", key=997, round=0, sender=1,
+                             payload=create("adtopk", ratio=0.2).compress(dead, "x", 0)))
     with roles(2, 1) as (config, procs):
         clients = procs_clients(config, 2)
         results, progress = {}, threading.Event()

@@ -60,9 +60,99 @@ def test_truncated_and_missing_frames_are_refused():
         Payload.from_frames([msgpack.packb([1, 2]), *frames[1:]])
 
 
-@given(st.sampled_from(["none", "topk", "adtopk", "randomk"]), st.data())
+def _dead_rows(shape=(40, 64), dead=range(0, 40, 3), ratio=0.05):
+    """An ADTopk payload of a gradient whose rows ``dead`` are zero, and its frames."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(len(dead)))
+    x[list(dead)] = 0
+    p = create("adtopk", ratio=ratio).compress(x, "w", 1)
+    return x, p, [bytes(f) for f in p.frames()]
+
+
+def test_rows_of_zeros_are_left_out_and_named():
+    x, p, frames = _dead_rows()
+    live = [r for r in range(40) if r % 3]
+    assert p.rows.tolist() == live and p.values.shape == (len(live), 3)
+    meta = msgpack.unpackb(frames[0])
+    assert (meta["rows"], meta["rowset"], meta["count"]) == (len(live), "bitmap", len(live) * 3)
+    assert frames[3] == _bitmap(live)
+    assert sum(len(f) for f in frames) == p.nbytes
+    back = Payload.from_frames(frames)
+    assert back.rows.tolist() == live and torch.equal(back.decompress(), p.decompress())
+    assert torch.equal(back.decompress().ne(0).sum(1), torch.tensor([0 if r % 3 == 0 else 3 for r in range(40)]))
+
+
+def test_a_few_live_rows_are_listed_and_a_payload_without_dead_rows_is_as_before():
+    _, p, frames = _dead_rows(dead=[r for r in range(40) if r not in (5, 33)])
+    meta = msgpack.unpackb(frames[0])
+    assert (meta["rows"], meta["rowset"]) == (2, "list")  # 2 x uint8 against a 5-byte bitmap
+    assert frames[3] == bytes([5, 33])
+    assert torch.equal(Payload.from_frames(frames).decompress(), p.decompress())
+    _, p, frames = _dead_rows(dead=range(40))  # every row dead: nothing but the header
+    assert msgpack.unpackb(frames[0])["rows"] == 0 and [len(f) for f in frames[1:]] == [0, 0, 0]
+    assert not Payload.from_frames(frames).decompress().any()
+    _, p, frames = _dead_rows(dead=[])
+    assert p.rows is None and len(frames) == 3 and "rows" not in msgpack.unpackb(frames[0])
+
+
+def _bitmap(rows, lead=40):
+    """Row r at bit r % 8 of byte r // 8."""
+    return bytes(sum(1 << (r % 8) for r in rows if r // 8 == b) for b in range((lead + 7) // 8))
+
+
+@pytest.mark.parametrize("changes, row_frame, words", [
+    ({"rowset": None}, None, "'rows' and 'rowset' come together"),
+    ({"rows": None}, None, "'rows' and 'rowset' come together"),
+    ({"rowset": "rle"}, None, "rowset 'rle' not allowed"),
+    ({"rows": 40, "count": 120}, None, "rows 40 outside [0, 40)"),
+    ({"rows": -1}, None, "rows -1 outside"),
+    ({"rows": 3}, None, "count 78 does not match view [40, 64] with k=3 and 3 rows"),
+    ({"rows": True}, None, "'rows' must be int"),
+    ({}, _bitmap(range(1, 27)) + b"\0", "row set frame (bitmap) has 6 bytes, expected 5"),
+    ({}, _bitmap(range(1, 28)), "names 27 rows, the metadata says 26"),
+    ({}, _bitmap(range(1, 26)), "names 25 rows, the metadata says 26"),
+    ({"rows": 2, "rowset": "list", "count": 6}, bytes([7, 7]), "must be increasing rows"),
+    ({"rows": 2, "rowset": "list", "count": 6}, bytes([9, 3]), "must be increasing rows"),
+    ({"rows": 2, "rowset": "list", "count": 6}, bytes([3, 40]), "within [0, 40)"),
+    ({"rows": 2, "rowset": "list", "count": 6}, bytes([3]), "row set frame (list) has 1 bytes, expected 2"),
+])
+def test_bad_row_sets_are_named(changes, row_frame, words):
+    _, p, frames = _dead_rows()
+    frames = _with_meta(frames, **changes)
+    if row_frame is not None:
+        frames[3] = row_frame
+        if changes.get("count") == 6:
+            frames[1], frames[2] = frames[1][:24], frames[2][:6]
+    with pytest.raises(PayloadError) as err:
+        Payload.from_frames(frames)
+    assert words in str(err.value)
+
+
+def test_bits_past_the_rows_are_refused():
+    _, p, frames = _dead_rows(shape=(37, 64), dead=range(0, 37, 3))  # 5 bytes for 37 rows
+    assert frames[3] == _bitmap(p.rows.tolist(), 37)
+    frames[3] = frames[3][:4] + bytes([frames[3][4] | 0x40])
+    with pytest.raises(PayloadError, match="row set bitmap sets bits past its 37 rows"):
+        Payload.from_frames(frames)
+
+
+def test_a_row_set_on_another_codec_and_a_missing_row_frame_are_refused():
+    _, frames = _frames("topk", ratio=0.1)
+    with pytest.raises(PayloadError, match="codec 'coo' carries no row set"):
+        Payload.from_frames(_with_meta(frames, rows=1, rowset="list"))
+    _, _, frames = _dead_rows()
+    with pytest.raises(PayloadError, match="with a row set needs 3 buffer"):
+        Payload.from_frames(frames[:3])
+    _, full = _frames("adtopk", shape=(40, 64), ratio=0.05)
+    with pytest.raises(PayloadError, match="needs 2 buffer"):
+        Payload.from_frames([*full, b"\xff" * 5])
+
+
+@given(st.sampled_from(["none", "topk", "adtopk", "randomk", "dead-rows"]), st.data())
 def test_mutated_frames_decode_correctly_or_raise_payload_error(name, data):
-    p, frames = _frames(name, shape=(5, 30), ratio=0.1) if name != "none" else _frames(name, (5, 30))
+    if name == "dead-rows":
+        _, p, frames = _dead_rows(shape=(20, 30), dead=range(0, 20, 2), ratio=0.1)
+    else:
+        p, frames = _frames(name, shape=(5, 30), ratio=0.1) if name != "none" else _frames(name, (5, 30))
     which = data.draw(st.integers(0, len(frames) - 1))
     raw = bytearray(frames[which])
     for _ in range(data.draw(st.integers(1, 4))):

@@ -22,6 +22,8 @@ def _selected(p):
         return torch.arange(p.numel)
     if p.codec == "fibre":
         flat = torch.arange(p.numel).view(p.view)
+        if p.rows is not None:  # the rows carried; the others selected only zeros
+            flat = flat[p.rows]
         return flat.gather(1, p.indices.long()).reshape(-1)
     return p.positions().reshape(-1)
 
@@ -89,3 +91,24 @@ def test_adtopk_indices_are_narrower_than_global_topk():
     a = _make("adtopk", 0.01).compress(x, "w")
     t = _make("topk", 0.01).compress(x, "w")
     assert a.indices.element_size() == 1 and t.indices.element_size() == 4
+
+
+@pytest.mark.parametrize("value_dtype", [None, "fp16"])
+def test_rows_that_select_only_zeros_on_the_wire_are_left_out_and_kept_in_the_residual(value_dtype):
+    """A row whose selected values are zero as sent (a dead unit, or magnitudes below fp16's
+    smallest) costs no bytes; error feedback keeps what it held, and the next step of a live
+    row sends it."""
+    from adtopk_ps import wire
+    x = torch.randn(16, 256, generator=torch.Generator().manual_seed(5))
+    x[[2, 9]] = 0
+    x[12] = 1e-9  # zero in fp16
+    ef = ErrorFeedback(_make("adtopk", 0.02, value_dtype))
+    p = ef.compress(x, "w", 0)
+    dead = [2, 9, 12] if value_dtype else [2, 9]
+    assert p.rows.tolist() == [r for r in range(16) if r not in dead]
+    back = wire.decode([bytes(f) for f in wire.encode("push", key=1, payload=p)]).payload
+    assert torch.equal(back.decompress(), p.decompress())
+    assert torch.equal(ef.decompress(p) + ef.memory.residuals["w"], x)
+    full = _make("adtopk", 0.02, value_dtype).compress(x + 1, "w", 0)  # no row of zeros
+    assert full.rows is None and p.count * 16 == full.count * (16 - len(dead))
+    assert p.nbytes < full.nbytes

@@ -112,22 +112,28 @@ def unfused(ef):
 @given(lead=st.integers(1, 5), n=st.sampled_from([64, 200, 1024, 4096]),
        rest=st.sampled_from([(), (3,), (2, 3)]), ratio=st.sampled_from([0.01, 0.03, 0.06]),
        name=st.sampled_from(["adtopk", "adtopk-i", "topk"]), layout=st.sampled_from(["axis", "rows"]),
-       ties=st.booleans(), seed=st.integers(0, 2**16))
-def test_fused_error_feedback_equals_the_three_passes(lead, n, rest, ratio, name, layout, ties, seed):
+       ties=st.booleans(), dead=st.sampled_from([None, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_fused_error_feedback_equals_the_three_passes(lead, n, rest, ratio, name, layout, ties, dead,
+                                                     seed):
     # compensate + select + residual update in one kernel: same payloads, same residuals, bit for bit
     from adtopk_ps.compression import create
     gen = torch.Generator().manual_seed(seed)
     spec = {"compressor": name, "k": ratio, "ef": "vanilla",
             **({} if name == "topk" else {"layout": layout})}
     fused, plain = create(spec), unfused(create(spec))
+    # dead units: the same rows zero at every step (the kernel leaves them out as it writes)
+    zero = torch.rand(lead, generator=gen) < (dead or 0)
     for step in range(4):
         g = torch.randn((lead, n, *rest), generator=gen)
         if ties:  # the fused kernel selects like the unfused one, ties included
             g = (g * 2).round()
+        g[zero] = 0
         kept = fused.memory.residuals.get("w", torch.zeros_like(g)) + g
         a, b = fused.compress(g, "w", step), plain.compress(g, "w", step)
         assert (a.codec, a.shape, a.view) == (b.codec, b.shape, b.view)
         assert torch.equal(a.values, b.values) and torch.equal(a.indices, b.indices)
+        assert (a.rows is None) == (b.rows is None) and (a.rows is None or torch.equal(a.rows, b.rows))
+        assert a.rows is None or a.rows.tolist() == torch.nonzero(~zero).view(-1).tolist()
         assert torch.equal(fused.memory.residuals["w"], plain.memory.residuals["w"])
         # what error feedback rests on: what was sent plus what is kept is g + r
         assert torch.equal(a.decompress() + fused.memory.residuals["w"], kept)

@@ -22,6 +22,7 @@ def pushes(draw, shape):
     gen = torch.Generator().manual_seed(seed)
     if draw(st.booleans()):
         grad = torch.randint(-2, 3, shape, generator=gen).float()
+        grad[torch.rand(shape[0], generator=gen) < 0.4] = 0  # dead units: rows left out
         return create("adtopk", ratio=draw(st.sampled_from([0.1, 0.3]))).compress(grad, "t")
     numel = torch.Size(shape).numel()
     count = draw(st.integers(0, numel))
@@ -78,3 +79,58 @@ def test_an_out_of_range_push_is_refused_and_lands_nowhere():
         agg.push(1, 0, 1, bad)
     answer = agg.push(1, 0, 1, good)
     assert torch.equal(answer.decompress().view(-1)[[0, 3, 15]], torch.tensor([2.0, 0.0, 4.0]))
+
+
+def _dead_rows_grad(seed):
+    gen = torch.Generator().manual_seed(seed)
+    grad = torch.randn(12, 40, 3, generator=gen)
+    grad[[0, 3, 4, 11]] = 0
+    return grad
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pushes_with_and_without_a_row_set_sum_alike(compiled):
+    """A worker on the CPU path leaves dead rows out; one on the CUDA kernel sends them as
+    zeros. One round of both, in either order, sums to the same tensor."""
+    first, second = _dead_rows_grad(1), _dead_rows_grad(2)
+    pruned = create("adtopk", ratio=0.1).compress(first, "t")
+    full = create("adtopk", ratio=0.1).compress(second, "t")
+    assert pruned.rows.tolist() == [1, 2, 5, 6, 7, 8, 9, 10] and pruned.values.shape[0] == 8
+    full = Payload("fibre", full.shape, full.dtype, *_with_all_rows(full), full.view)
+    want = pruned.decompress() + full.decompress()
+    kernel = sparse_sum._sparse_sum
+    for order in ((pruned, full), (full, pruned)):
+        agg = Aggregator(2)
+        if not compiled:
+            sparse_sum._sparse_sum = None
+        try:
+            agg.push(5, 0, 0, order[0])
+            answer = agg.push(5, 0, 1, order[1])
+        finally:
+            sparse_sum._sparse_sum = kernel
+        assert torch.equal(answer.decompress(), want)
+        assert not bool(agg.keys[5].buffers[0].any())
+
+
+def _with_all_rows(p):
+    """The values and indices of ``p`` with the rows it leaves out put back (zeros at the first
+    k positions), as the CUDA kernel sends them."""
+    values = torch.zeros(p.view[0], *p.values.shape[1:], dtype=p.values.dtype)
+    indices = torch.arange(p.values.shape[1]).view(1, -1, *[1] * (p.values.dim() - 2))
+    indices = indices.expand(values.shape).to(p.indices.dtype).clone()
+    values[p.rows], indices[p.rows] = p.values, p.indices
+    return values, indices
+
+
+@pytest.mark.parametrize("rows, words", [([1, 1, 2], "not increasing"), ([0, 2, 12], "not increasing"),
+                                         ([-1, 2, 3], "not increasing")])
+def test_a_bad_row_set_built_in_process_is_refused_and_lands_nowhere(rows, words):
+    p = create("adtopk", ratio=0.1).compress(_dead_rows_grad(3)[[1, 2, 5]], "t")
+    agg = Aggregator(2)
+    good = create("adtopk", ratio=0.1).compress(_dead_rows_grad(3), "t")
+    agg.push(1, 0, 0, good)
+    bad = Payload("fibre", good.shape, good.dtype, p.values, p.indices, good.view,
+                  rows=torch.tensor(rows))
+    with pytest.raises(PushRejected, match=words):
+        agg.push(1, 0, 1, bad)
+    assert torch.equal(agg.push(1, 0, 1, good).decompress(), good.decompress() * 2)

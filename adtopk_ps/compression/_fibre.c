@@ -349,15 +349,33 @@ static Py_ssize_t lane_span(Py_ssize_t rest)
     return rest >= 4 ? rest : rest > 1 ? 4 : 1;
 }
 
+/* With rows (error feedback only), slab a's selection, just written at row `written` of
+ * values and out, stays there only if it holds a nonzero value (a NaN counts), and rows
+ * lists the slabs kept; a slab of zeros (a dead unit) is overwritten by the next one.
+ * Returns the rows written so far. */
+static inline Py_ssize_t keep_row(const float *values, int64_t *rows, Py_ssize_t a,
+                                  Py_ssize_t written, Py_ssize_t size)
+{
+    if (rows == NULL)
+        return written + 1;
+    const float *v = values + written * size;
+    int live = 0;
+    for (Py_ssize_t i = 0; i < size; i++)
+        live |= v[i] != 0.0f;
+    if (live)
+        rows[written] = a;
+    return written + live;
+}
+
 /* select_all for k <= SMALL_K, a slab at a time (error feedback's x += grad first): its
  * `rest` fibres lie side by side, and are streamed in place from 4 of them up (fewer are
  * copied into 4 lanes, the padding streamed and ignored). Positions go to out and, with
  * values, the selected entries to values and then to zero. */
-static void select_small(float *x, const float *grad, float *values, Py_ssize_t lead,
-                         Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes, int32_t *at,
-                         int64_t *out)
+static Py_ssize_t select_small(float *x, const float *grad, float *values, Py_ssize_t lead,
+                               Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes,
+                               int32_t *at, int64_t *out, int64_t *rows)
 {
-    Py_ssize_t w = lane_span(rest);
+    Py_ssize_t w = lane_span(rest), written = 0;
     if (lanes != NULL)
         memset(lanes, 0, sizeof(float) * (size_t)(n * 4));
     for (Py_ssize_t a = 0; a < lead; a++) {
@@ -380,7 +398,7 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
         for (Py_ssize_t j = 0; j < rest; j++) {
             for (Py_ssize_t t = 0; t < k; t++) {
                 int64_t pos = at[t * w + j];
-                Py_ssize_t o = a * k * rest + t * rest + j;
+                Py_ssize_t o = written * k * rest + t * rest + j;
                 out[o] = pos;
                 if (values != NULL) {
                     values[o] = slab[pos * rest + j];
@@ -388,7 +406,9 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
                 }
             }
         }
+        written = keep_row(values, rows, a, written, k * rest);
     }
+    return written;
 }
 
 /* Every fibre of the [lead, n, rest] tensor x, slab x[a] by slab. With grad (error
@@ -396,13 +416,14 @@ static void select_small(float *x, const float *grad, float *values, Py_ssize_t 
  * are copied into values ([lead, k, rest]) and zeroed, so x ends as what was not sent. The
  * slab is still in cache for the selection and for both writes, where separate torch
  * passes read the whole tensor from memory three times. */
-static void select_all(float *x, const float *grad, float *values, Py_ssize_t lead, Py_ssize_t n,
-                       Py_ssize_t rest, Candidates *c, float *fibre, int64_t *out)
+static Py_ssize_t select_all(float *x, const float *grad, float *values, Py_ssize_t lead,
+                             Py_ssize_t n, Py_ssize_t rest, Candidates *c, float *fibre,
+                             int64_t *out, int64_t *rows)
 {
-    Py_ssize_t k = c->k;
+    Py_ssize_t k = c->k, written = 0;
     for (Py_ssize_t a = 0; a < lead; a++) {
         float *slab = x + a * n * rest;
-        int64_t *dst = out + a * k * rest;
+        int64_t *dst = out + written * k * rest;
         if (grad != NULL) {
             const float *g = grad + a * n * rest;
             for (Py_ssize_t i = 0; i < n * rest; i++)
@@ -420,16 +441,21 @@ static void select_all(float *x, const float *grad, float *values, Py_ssize_t le
                 continue;
             for (Py_ssize_t t = 0; t < k; t++) {
                 float *e = slab + dst[j + t * rest] * rest + j;
-                values[a * k * rest + t * rest + j] = *e;
+                values[written * k * rest + t * rest + j] = *e;
                 *e = 0.0f;
             }
         }
+        written = keep_row(values, rows, a, written, k * rest);
     }
+    return written;
 }
 
+/* Returns how many rows of out (and values) were written: lead, or with rows the slabs
+ * whose selection holds a nonzero value. */
 static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead, Py_ssize_t n,
-                     Py_ssize_t rest, Py_ssize_t k, int64_t *out)
+                     Py_ssize_t rest, Py_ssize_t k, int64_t *out, int64_t *rows)
 {
+    Py_ssize_t written = 0;
     if (lead < 0 || rest < 1 || k < 1 || k > n) {
         PyErr_Format(PyExc_ValueError, "fibre_topk: bad sizes lead=%zd n=%zd rest=%zd k=%zd",
                      lead, n, rest, k);
@@ -444,10 +470,9 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
             PyErr_NoMemory();
         } else {
             Py_BEGIN_ALLOW_THREADS
-            select_small(x, grad, values, lead, n, rest, k, lanes, at, out);
+            written = select_small(x, grad, values, lead, n, rest, k, lanes, at, out, rows);
             Py_END_ALLOW_THREADS
-            result = Py_None;
-            Py_INCREF(result);
+            result = PyLong_FromSsize_t(written);
         }
         free(lanes);
         free(at);
@@ -465,10 +490,9 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         PyErr_NoMemory();
     } else {
         Py_BEGIN_ALLOW_THREADS
-        select_all(x, grad, values, lead, n, rest, &c, fibre, out);
+        written = select_all(x, grad, values, lead, n, rest, &c, fibre, out, rows);
         Py_END_ALLOW_THREADS
-        result = Py_None;
-        Py_INCREF(result);
+        result = PyLong_FromSsize_t(written);
     }
     free(c.value);
     free(c.scratch);
@@ -486,19 +510,20 @@ static PyObject *fibre_topk(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "KnnnnK", &x_addr, &lead, &n, &rest, &k, &out_addr))
         return NULL;
     return run((float *)(uintptr_t)x_addr, NULL, NULL, lead, n, rest, k,
-               (int64_t *)(uintptr_t)out_addr);
+               (int64_t *)(uintptr_t)out_addr, NULL);
 }
 
 static PyObject *fibre_topk_feedback(PyObject *self, PyObject *args)
 {
-    unsigned long long r_addr, g_addr, out_addr, values_addr;
+    unsigned long long r_addr, g_addr, out_addr, values_addr, rows_addr;
     Py_ssize_t lead, n, rest, k;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KKnnnnKK", &r_addr, &g_addr, &lead, &n, &rest, &k, &out_addr,
-                          &values_addr))
+    if (!PyArg_ParseTuple(args, "KKnnnnKKK", &r_addr, &g_addr, &lead, &n, &rest, &k, &out_addr,
+                          &values_addr, &rows_addr))
         return NULL;
     return run((float *)(uintptr_t)r_addr, (const float *)(uintptr_t)g_addr,
-               (float *)(uintptr_t)values_addr, lead, n, rest, k, (int64_t *)(uintptr_t)out_addr);
+               (float *)(uintptr_t)values_addr, lead, n, rest, k, (int64_t *)(uintptr_t)out_addr,
+               (int64_t *)(uintptr_t)rows_addr);
 }
 
 static PyMethodDef methods[] = {
@@ -506,8 +531,10 @@ static PyMethodDef methods[] = {
      "fibre_topk(x_ptr, lead, n, rest, k, out_ptr): positions of the k largest |x| "
      "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]."},
     {"fibre_topk_feedback", fibre_topk_feedback, METH_VARARGS,
-     "fibre_topk_feedback(r_ptr, g_ptr, lead, n, rest, k, out_ptr, values_ptr): r += g, then "
-     "fibre_topk of r; the selected entries of r go to values [lead, k, rest] and become 0."},
+     "fibre_topk_feedback(r_ptr, g_ptr, lead, n, rest, k, out_ptr, values_ptr, rows_ptr): r += g, "
+     "then fibre_topk of r; the selected entries of r go to values [lead, k, rest] and become 0. "
+     "With rows_ptr (not 0), slabs r[a] whose values are all zero are left out, the others "
+     "written in order and listed in rows (int64 [lead]); returns the rows written."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,7 +3,9 @@
 For a Linear weight ``[out, in]`` each output row keeps its own
 ``k_f = max(1, floor(in * ratio))`` largest |g|; for a Conv ``[out, in, kh, kw]``
 each (out, kh, kw) fibre over the input channels does. Positions along axis 1
-are small, so they travel as uint8/uint16 and the row positions are implicit.
+are small, so they travel as uint8/uint16 and the row positions are implicit;
+rows that selected only zeros (units dead for the batch) are left out of the
+payload, which then names the rows it carries.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from . import fibre_triton
 from .base import Compressor, flat_of, global_k
 from .payload import Payload, index_dtype
-from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk
+from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
 from .staging import Stage
 
 LAYOUTS = ("axis", "rows")
@@ -63,7 +65,11 @@ class ADTopk(Compressor):
             return self._staged(tensor, view, fibre_triton.Item(x, None, k), name)
         positions = fibre_topk(x, k)
         selected = x.gather(1, positions)  # every fibre's NaN and infinities come first
-        return self._payload(tensor, view, positions, self._values(selected), not all_finite(selected))
+        values = self._values(selected)
+        rows = live_rows(values)  # as sent: a value fp16 rounds to zero counts as zero
+        if rows is not None:
+            values, positions = values.index_select(0, rows), positions.index_select(0, rows)
+        return self._payload(tensor, view, positions, values, not all_finite(selected), rows)
 
     def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
                                step: int = 0, ratio: float | None = None) -> Payload | None:
@@ -81,11 +87,12 @@ class ADTopk(Compressor):
                 (tensor.shape, tensor.dtype, tensor.device):
             item = fibre_triton.Item(residual.view(view), tensor.detach().reshape(view), k)
             return self._staged(tensor, view, item, name)
-        found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k)
+        found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k,
+                                    live_only=True)
         if found is None:
             return None
-        positions, values = found
-        return self._payload(tensor, view, positions, values, not all_finite(values))
+        positions, values, rows = found
+        return self._payload(tensor, view, positions, values, not all_finite(values), rows)
 
     def _fibres(self, tensor: torch.Tensor, ratio: float | None) -> tuple[tuple[int, ...], int]:
         """The view whose axis 1 the fibres run along, and how many entries each keeps."""
@@ -105,9 +112,10 @@ class ADTopk(Compressor):
 
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
-                 values: torch.Tensor, nonfinite: bool) -> Payload:
+                 values: torch.Tensor, nonfinite: bool, rows: torch.Tensor | None) -> Payload:
+        """``rows``: the rows of the view carried, where the others selected only zeros."""
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
-                       positions.to(index_dtype(view[1])), view=view, nonfinite=nonfinite)
+                       positions.to(index_dtype(view[1])), view=view, rows=rows, nonfinite=nonfinite)
 
 
 class ADTopkInterleaved(ADTopk):

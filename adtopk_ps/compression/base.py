@@ -91,7 +91,7 @@ class Compressor(ABC):
                                     global_k(n, self._ratio(ratio)))
         if found is None:
             return None
-        positions, values = found
+        positions, values, _ = found
         return _coo_payload(tensor, values.view(-1), positions.view(-1), not all_finite(values))
 
     def __repr__(self) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import msgpack
+import numpy as np
 import torch
 
 from .seeded import seeded_indices
@@ -21,10 +22,19 @@ from .seeded import seeded_indices
 #: Codecs a payload may carry.
 #:  dense  - every element, in order
 #:  fibre  - ``values``/``indices`` of shape ``[view[0], k, *view[2:]]``, indices
-#:           are positions along axis 1 of ``view`` (ADTopk)
+#:           are positions along axis 1 of ``view`` (ADTopk). Where some rows
+#:           ``view[0]`` selected only zeros (dead units), ``rows`` lists the rows
+#:           carried and the shape is ``[rows, k, *view[2:]]``; a third frame
+#:           names them, as a bitmap or a list (see ``ROW_SETS``)
 #:  coo    - flat positions into the tensor and their values
 #:  seeded - values only; positions are regenerated from ``seed`` (random-k, see seeded.py)
 CODECS = ("dense", "fibre", "coo", "seeded")
+
+#: How a fibre payload's third frame names the rows it carries, whichever is smaller:
+#:  bitmap - ceil(view[0] / 8) bytes, row r at bit r % 8 (least significant first) of
+#:           byte r // 8; the bits past view[0] are zero
+#:  list   - the rows in increasing order, in ``index_dtype(view[0])``
+ROW_SETS = ("bitmap", "list")
 
 #: dtypes allowed on the wire, by name.
 DTYPES: dict[str, torch.dtype] = {
@@ -85,6 +95,9 @@ class Payload:
     indices: torch.Tensor | None = None
     view: tuple[int, ...] | None = None
     seed: int | None = None
+    # fibre payloads only: the rows of ``view`` carried (int64, increasing), where the others
+    # selected nothing but zeros; None when every row is carried
+    rows: torch.Tensor | None = None
     # the compressor saw a NaN or an infinity in its input (not part of the encoding: a push
     # carries it as a header flag)
     nonfinite: bool = field(default=False, compare=False)
@@ -116,6 +129,9 @@ class Payload:
         if self.view is not None:
             meta["view"] = list(self.view)
             meta["k"] = self.values.shape[1]
+        if self.rows is not None:
+            meta["rows"] = self.rows.numel()
+            meta["rowset"] = self._row_set()
         if self.seed is not None:
             meta["seed"] = self.seed
         return meta
@@ -126,6 +142,8 @@ class Payload:
         size = len(msgpack.packb(self.meta())) + _buffer_nbytes(self.values)
         if self.indices is not None:
             size += _buffer_nbytes(self.indices)
+        if self.rows is not None:
+            size += _row_set_nbytes(self._row_set(), self.rows.numel(), self.view[0])
         return size
 
     def frames(self) -> list:
@@ -133,12 +151,29 @@ class Payload:
         return [msgpack.packb(self.meta()), *self.buffers()]
 
     def buffers(self) -> list:
-        """The values, then the indices if any, as zero-copy buffers."""
+        """The values, then the indices if any, as zero-copy buffers, then the row set if any."""
         if self.host is not None:
-            return [_as_buffer(t) for t in self.host]
-        if self.indices is None:
-            return [_as_buffer(self.values)]
-        return [_as_buffer(self.values), _as_buffer(self.indices)]
+            data = list(self.host)
+        else:
+            data = [self.values] if self.indices is None else [self.values, self.indices]
+        buffers = [_as_buffer(t) for t in data]
+        if self.rows is not None:
+            buffers.append(self._row_frame())
+        return buffers
+
+    def _row_set(self) -> str:
+        """The smaller encoding of ``rows`` (the bitmap on a tie)."""
+        live, lead = self.rows.numel(), self.view[0]
+        smaller = _row_set_nbytes("list", live, lead) < _row_set_nbytes("bitmap", live, lead)
+        return "list" if smaller else "bitmap"
+
+    def _row_frame(self) -> memoryview:
+        rows = self.rows.cpu()
+        if self._row_set() == "list":
+            return _as_buffer(rows.to(index_dtype(self.view[0])))
+        mask = np.zeros(self.view[0], dtype=bool)
+        mask[rows.numpy()] = True
+        return memoryview(np.packbits(mask, bitorder="little"))
 
     @classmethod
     def from_frames(cls, frames: Sequence, max_numel: int = 1 << 31) -> "Payload":
@@ -156,25 +191,32 @@ class Payload:
         """Rebuild a payload from untrusted metadata and buffers, checking every field before touching memory."""
         spec = _check_meta(meta, max_numel)
         has_indices = spec["codec"] in ("fibre", "coo")
-        if len(buffers) != 1 + has_indices:
-            raise PayloadError(
-                f"codec {spec['codec']!r} needs {1 + has_indices} buffer(s), got {len(buffers)}"
-            )
+        needs = 1 + has_indices + ("rows" in spec)
+        if len(buffers) != needs:
+            rows = " with a row set" if "rows" in spec else ""
+            raise PayloadError(f"codec {spec['codec']!r}{rows} needs {needs} buffer(s), got {len(buffers)}")
         values = _from_buffer(buffers[0], spec["vdtype"], spec["count"], "values")
-        indices = None
+        indices = rows = None
         if has_indices:
             indices = _from_buffer(buffers[1], spec["idtype"], spec["count"], "indices")
         view = spec.get("view")
         if spec["codec"] == "fibre":
-            vshape = (view[0], spec["k"], *view[2:])
+            carried = view[0]
+            if "rows" in spec:
+                carried = spec["rows"]
+                rows = _rows_from_buffer(buffers[2], spec["rowset"], carried, view[0])
+            vshape = (carried, spec["k"], *view[2:])
             values, indices = values.view(vshape), indices.view(vshape)
         payload = cls(spec["codec"], tuple(spec["shape"]), spec["dtype"], values, indices,
-                      tuple(view) if view is not None else None, spec.get("seed"))
+                      tuple(view) if view is not None else None, spec.get("seed"), rows)
         payload.check_indices()
         return payload
 
     def check_indices(self) -> None:
-        """Refuse positions outside the tensor (what a peer sent is not trusted)."""
+        """Refuse positions outside the tensor, and a row set that is not increasing rows of
+        the view (what a peer sent is not trusted)."""
+        if self.rows is not None:
+            _check_rows(self.rows, self.view[0], self.values.shape[0])
         if self.indices is None or self.indices.numel() == 0:
             return
         bound = self.view[1] if self.codec == "fibre" else self.numel
@@ -198,10 +240,12 @@ class Payload:
         pos = self.positions()
         if self.codec != "fibre":
             return pos.view(-1)
-        lead, n, rest = self.view[0], self.view[1], math.prod(self.view[2:])
-        row = torch.arange(lead, device=pos.device).view(lead, 1, 1) * (n * rest)
+        lead, k = self.values.shape[:2]
+        n, rest = self.view[1], math.prod(self.view[2:])
+        rows = torch.arange(lead, device=pos.device) if self.rows is None else self.rows.to(pos.device)
+        row = rows.view(lead, 1, 1) * (n * rest)
         col = torch.arange(rest, device=pos.device).view(1, 1, rest)
-        return (row + pos.reshape(lead, -1, rest) * rest + col).view(-1)
+        return (row + pos.reshape(lead, k, rest) * rest + col).view(-1)
 
     def accumulate_into(self, out: torch.Tensor, alpha: float = 1.0, divisor: int = 1) -> torch.Tensor:
         """``out += alpha * decompress(self) / divisor`` in place, without a dense expansion.
@@ -218,8 +262,10 @@ class Payload:
             vals = vals / divisor
         if self.codec == "dense":
             out.add_(vals.view(self.shape))
-        elif self.codec == "fibre":
+        elif self.codec == "fibre" and self.rows is None:
             out.view(self.view).scatter_add_(1, self.positions().to(out.device), vals)
+        elif self.codec == "fibre":
+            out.view(-1).scatter_add_(0, self.flat_positions().to(out.device), vals.reshape(-1))
         else:
             out.view(-1).scatter_add_(0, self.positions().to(out.device), vals)
         return out
@@ -272,8 +318,53 @@ def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor
     return torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=dtype)
 
 
+_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
+
+
+def _row_set_nbytes(row_set: str, live: int, lead: int) -> int:
+    if row_set == "bitmap":
+        return (lead + 7) // 8
+    return live * index_dtype(lead).itemsize
+
+
+def _rows_from_buffer(buf, row_set: str, live: int, lead: int) -> torch.Tensor:
+    """The carried rows named by a row-set frame (checked against ``live`` and ``lead``)."""
+    mv = memoryview(buf)
+    want = _row_set_nbytes(row_set, live, lead)
+    if mv.nbytes != want:
+        raise PayloadError(f"row set frame ({row_set}) has {mv.nbytes} bytes, expected {want} "
+                           f"for {live} of {lead} rows")
+    if row_set == "list":
+        return _from_buffer(mv, index_dtype(lead), live, "row set").long()
+    # counted before anything is unpacked: memory in proportion to the frame and to ``live``
+    data = np.frombuffer(mv, dtype=np.uint8)
+    if lead % 8 and data[-1] >> (lead % 8):
+        raise PayloadError(f"row set bitmap sets bits past its {lead} rows")
+    named = int(_POPCOUNT[data].sum(dtype=np.int64))
+    if named != live:
+        raise PayloadError(f"row set bitmap names {named} rows, the metadata says {live}")
+    full = np.flatnonzero(data)
+    byte, bit = np.nonzero(np.unpackbits(data[full], bitorder="little").reshape(-1, 8))
+    return torch.from_numpy(full[byte] * 8 + bit)
+
+
+def _check_rows(rows: torch.Tensor, lead: int, carried: int) -> None:
+    if rows.dim() != 1 or rows.numel() != carried:
+        raise PayloadError(f"row set of shape {tuple(rows.shape)} for {carried} carried rows")
+    if carried >= lead:
+        raise PayloadError(f"row set names {carried} of {lead} rows; a payload carrying every "
+                           "row has no row set")
+    if carried == 0:
+        return
+    ordered = bool((rows[1:] > rows[:-1]).all())
+    low, top = int(rows[0]), int(rows[-1])
+    if not ordered or low < 0 or top >= lead:
+        raise PayloadError(f"row set must be increasing rows within [0, {lead}), got "
+                           f"{rows[:8].tolist()}{' ...' if carried > 8 else ''}")
+
+
 _REQUIRED = {"codec": str, "shape": list, "dtype": str, "vdtype": str, "count": int}
-_OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int}
+_OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int, "rows": int, "rowset": str}
 _FIELDS = {**_REQUIRED, **_OPTIONAL}
 _NEEDS = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
 
@@ -319,11 +410,29 @@ def _check_meta(meta: object, max_numel: int) -> dict:
         k = spec["k"]
         if not 1 <= k <= view[1]:
             raise PayloadError(f"k {k} outside [1, {view[1]}]")
-        if math.prod((view[0], k, *view[2:])) != count:
-            raise PayloadError(f"count {count} does not match view {view} with k={k}")
+        carried = _check_row_fields(spec, view[0])
+        if math.prod((carried, k, *view[2:])) != count:
+            rows = f" and {carried} rows" if "rows" in spec else ""
+            raise PayloadError(f"count {count} does not match view {view} with k={k}{rows}")
+    elif "rows" in spec or "rowset" in spec:
+        raise PayloadError(f"codec {codec!r} carries no row set; only 'fibre' does")
     if codec == "seeded" and spec["seed"] < 0:
         raise PayloadError(f"seed {spec['seed']} is negative")
     return spec
+
+
+def _check_row_fields(spec: dict, lead: int) -> int:
+    """How many rows a fibre payload carries: all of them, or its row set's."""
+    if "rows" not in spec and "rowset" not in spec:
+        return lead
+    if "rows" not in spec or "rowset" not in spec:
+        raise PayloadError("metadata fields 'rows' and 'rowset' come together")
+    if spec["rowset"] not in ROW_SETS:
+        raise PayloadError(f"rowset {spec['rowset']!r} not allowed; valid: {list(ROW_SETS)}")
+    if not 0 <= spec["rows"] < lead:
+        raise PayloadError(f"rows {spec['rows']} outside [0, {lead}): a payload carrying every row "
+                           "has no row set")
+    return spec["rows"]
 
 
 def _check_dims(dims: list, what: str) -> list:

@@ -105,13 +105,17 @@ def _kernel_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor,
-                        k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor, k: int, live_only: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """Error feedback and selection in one pass over memory, or None where the kernel does not apply.
 
     ``residual += grad``; the positions of the ``k`` largest |residual| per
     fibre and their values are returned, and those entries of ``residual``
-    become zero (what was sent leaves the residual exactly).
+    become zero (what was sent leaves the residual exactly). With
+    ``live_only``, rows of the view (``residual[a]``) whose selection is all
+    zeros are left out as the kernel writes them, and the third result lists
+    the rows kept (None where every row is kept): what :func:`live_rows`
+    finds, without another pass.
     """
     if not (k < residual.shape[1] and _kernel_applies(residual, k) and grad.is_contiguous()
             and (grad.shape, grad.dtype, grad.device) == (residual.shape, residual.dtype, residual.device)):
@@ -119,11 +123,14 @@ def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor,
     lead, n = residual.shape[0], residual.shape[1]
     positions = torch.empty((lead, k, *residual.shape[2:]), dtype=torch.int64)
     values = torch.empty(positions.shape, dtype=residual.dtype)
+    rows = torch.empty(lead, dtype=torch.int64) if live_only else None
     if positions.numel():
-        _fibre.fibre_topk_feedback(residual.data_ptr(), grad.data_ptr(), lead, n,
-                                   math.prod(residual.shape[2:]), k, positions.data_ptr(),
-                                   values.data_ptr())
-    return positions, values
+        written = _fibre.fibre_topk_feedback(residual.data_ptr(), grad.data_ptr(), lead, n,
+                                             math.prod(residual.shape[2:]), k, positions.data_ptr(),
+                                             values.data_ptr(), 0 if rows is None else rows.data_ptr())
+        if written < lead:
+            return positions[:written], values[:written], rows[:written]
+    return positions, values, None
 
 
 def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
@@ -142,6 +149,19 @@ def above(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     """Flat positions where |flat| > threshold, and every NaN (top-k selects a NaN first too,
     so that a selection never hides one), without sorting."""
     return torch.nonzero(flat.abs().le(threshold).logical_not_()).view(-1)
+
+
+def live_rows(values: torch.Tensor) -> torch.Tensor | None:
+    """The rows of a fibre selection ``[A, k, *rest]`` holding a nonzero value (a NaN counts),
+    or None where every row does. A dead unit's row selects only zeros, and leaving it out
+    of the payload changes neither the sum nor the residual."""
+    flat = values.flatten(1)
+    if flat.shape[1] == 0:  # an empty axis selects nothing: no row to leave out
+        return None
+    live = flat.ne(0).any(1)
+    if bool(live.all()):
+        return None
+    return live.nonzero().view(-1)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

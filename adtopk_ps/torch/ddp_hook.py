@@ -61,10 +61,23 @@ def _pad(n: int) -> int:
     return -n % _ALIGN
 
 
+def _sizes(p: Payload) -> list[int]:
+    """What another rank needs to cut ``p`` out of a blob: its count, and how many rows a
+    fibre payload carries where it leaves some out (-1 where it carries all)."""
+    return [p.count, -1 if p.rows is None else p.rows.numel()]
+
+
+def _segments(p: Payload, count: int, carried: int) -> list[tuple[torch.dtype, int] | None]:
+    """(dtype, elements) of the values, indices and row set of a payload like ``p`` with
+    these sizes; None for each it lacks."""
+    return [(p.values.dtype, count), None if p.indices is None else (p.indices.dtype, count),
+            None if carried < 0 else (torch.int64, carried)]
+
+
 def _pack(payloads: list[Payload], device: torch.device) -> torch.Tensor:
     parts = []
     for p in payloads:
-        for t in (p.values, p.indices):
+        for t in (p.values, p.indices, p.rows):
             if t is None:
                 continue
             raw = t.contiguous().view(-1).view(torch.uint8)
@@ -72,23 +85,24 @@ def _pack(payloads: list[Payload], device: torch.device) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
 
 
-def _unpack(blob: torch.Tensor, like: list[Payload], counts: list[int]) -> list[Payload]:
+def _unpack(blob: torch.Tensor, like: list[Payload], sizes: list[list[int]]) -> list[Payload]:
     """Another rank's payloads, given ours as the template (same codecs, shapes, dtypes)."""
     out, at = [], 0
-    for p, count in zip(like, counts):
+    for p, (count, carried) in zip(like, sizes):
         tensors = []
-        for t in (p.values, p.indices):
-            if t is None:
+        for segment in _segments(p, count, carried):
+            if segment is None:
                 tensors.append(None)
                 continue
-            n = count * t.element_size()
-            tensors.append(blob[at:at + n].view(t.dtype))
+            dtype, elements = segment
+            n = elements * dtype.itemsize
+            tensors.append(blob[at:at + n].view(dtype))
             at += n + _pad(n)
-        values, indices = tensors
+        values, indices, rows = tensors
         if p.codec == "fibre":
-            shape = (p.view[0], -1, *p.view[2:])
+            shape = (p.view[0] if rows is None else rows.numel(), -1, *p.view[2:])
             values, indices = values.view(shape), indices.view(shape)
-        q = Payload(p.codec, p.shape, p.dtype, values, indices, p.view, p.seed)
+        q = Payload(p.codec, p.shape, p.dtype, values, indices, p.view, p.seed, rows)
         q.check_indices()
         out.append(q)
     return out
@@ -125,9 +139,9 @@ def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.future
     if flat_dense is not None:
         futures.append(dist.all_reduce(flat_dense, group=group, async_op=True).get_future())
     gathered: list[torch.Tensor] = []
-    all_counts: list[list[int]] = []
+    all_counts: list[list[list[int]]] = []
     if payloads:
-        counts = torch.tensor([p.count for p in payloads], dtype=torch.int64, device=buffer.device)
+        counts = torch.tensor([_sizes(p) for p in payloads], dtype=torch.int64, device=buffer.device)
         count_lists = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(count_lists, counts, group=group)  # variable-size payloads need this
         all_counts = [c.tolist() for c in count_lists]
@@ -156,11 +170,11 @@ def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.future
     return torch.futures.collect_all(futures).then(finish)
 
 
-def _packed_size(like: list[Payload], counts: list[int]) -> int:
+def _packed_size(like: list[Payload], sizes: list[list[int]]) -> int:
     size = 0
-    for p, count in zip(like, counts):
-        for t in (p.values, p.indices):
-            if t is not None:
-                n = count * t.element_size()
+    for p, (count, carried) in zip(like, sizes):
+        for segment in _segments(p, count, carried):
+            if segment is not None:
+                n = segment[1] * segment[0].itemsize
                 size += n + _pad(n)
     return size

@@ -63,6 +63,12 @@ def write_seeds(directory: Path) -> None:
         comp = create(name) if name == "none" else create(name, ratio=0.2)
         frames = wire.encode("push", key=3, round=0, sender=1, payload=comp.compress(x, "t", 0))
         (directory / name).write_bytes(pack([bytes(f) for f in frames]))
+    for name, rows, live in (("adtopk-bitmap", 6, [1, 3, 4]), ("adtopk-list", 40, [5, 33])):
+        y = torch.zeros(rows, 20)
+        y[live] = torch.randn(len(live), 20)  # the zero rows are left out: a row set frame
+        frames = wire.encode("push", key=3, round=0, sender=1,
+                             payload=create("adtopk", ratio=0.2).compress(y, "t", 0))
+        (directory / name).write_bytes(pack([bytes(f) for f in frames]))
     (directory / "heartbeat").write_bytes(pack([bytes(wire.encode("heartbeat")[0])]))
 
 
