@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import SparsificationPolicy, create
@@ -143,7 +145,7 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
         loss.backward()
         opt.step()
         done += 1
-        loss_value = float(loss)
+        loss_value = loss.item()
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
         if args.checksums:  # through tqdm, so the line never shares one with the bar
@@ -182,6 +184,10 @@ def end_progress_lines() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # the cluster's notices at INFO, as the server and the scheduler log them; other libraries'
+    # loggers keep their own levels
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("adtopk_ps").setLevel(logging.INFO)
     stop_quietly_on_signals("worker", before=end_progress_lines)
     args = job_config.parse_args(argv)
     try:
@@ -192,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = train(cfg, args, device, dataset)
+        with logging_redirect_tqdm():  # a log line never shares one with the bar
+            summary = train(cfg, args, device, dataset)
     except BaseException as exc:
         end_progress_lines()  # an error never shares a line with the bar
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
