@@ -43,9 +43,8 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
 
     The engine thread and the training thread hand the GIL back and forth at
     every gradient the backward pass produces; with Python's default each
-    hand-over can wait up to 5 ms. Measured side by side (e2e, 2 trials):
-    VGG at 1 Gbit/s 317 -> 285 ms per step, the engine's compression time
-    108 -> 75 ms; ResNet-18 at 10 Gbit/s 591 -> 473 ms.
+    hand-over can wait up to 5 ms, which the step then waits too
+    (docs/benchmark-e2e.md measures steps with this setting).
     """
     micros = env_int("PS_GIL_SWITCH_US", 200, minimum=0, environ=environ)
     if micros and micros / 1e6 < sys.getswitchinterval():
@@ -86,6 +85,7 @@ class Handle:
         self.nonfinite: set[int] = set()
 
     def done(self) -> bool:
+        """Whether the answer is complete (or the push failed); never blocks."""
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
@@ -191,6 +191,12 @@ class PSClient:
         policy's per-layer choice); ``step`` is what the compressor sees
         (default: how often this name was pushed), which a resumed job sets
         so that seeds and schedules continue.
+
+        Example::
+
+            client = PSClient()                       # from the DMLC environment
+            handle = client.push_pull(grad, "fc.weight", create("adtopk", ratio=0.01), out=grad)
+            handle.wait()                             # grad now holds the average over workers
         """
         self.check()
         meta = self._declare(name, tensor)

@@ -21,6 +21,8 @@ PARTITION_BITS = 16
 
 @dataclass(frozen=True)
 class ClusterConfig:
+    """Who this node is and what cluster it joins, read once from the DMLC/BytePS environment."""
+
     role: str
     num_workers: int
     num_servers: int
@@ -35,11 +37,13 @@ class ClusterConfig:
 
     @property
     def scheduler_address(self) -> str:
+        """The scheduler's zmq endpoint, ``tcp://DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``."""
         return f"tcp://{self.root_uri}:{self.root_port}"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  role: str | None = None) -> "ClusterConfig":
+        """Read and check the whole DMLC contract; a missing or malformed variable raises ``EnvError`` naming it."""
         env = os.environ if environ is None else environ
         role = role or env.get("DMLC_ROLE", "")
         if role not in ROLES:
@@ -126,6 +130,7 @@ def make_key(tensor_id: int, partition: int) -> int:
 
 
 def djb2(text: str) -> int:
+    """byteps' string hash, so that a key lands on the server byteps would put it on."""
     h = 5381
     for ch in text.encode():
         h = (h * 33 + ch) & 0xFFFFFFFFFFFFFFFF

@@ -27,6 +27,7 @@ def guarded(argv: Sequence[str]) -> list[str]:
 
 
 def main(args: Sequence[str]) -> None:
+    """Run a command that dies with its parent (``python -m adtopk_ps.deathsig PID CMD ...``)."""
     if len(args) < 2 or not args[0].isdigit():
         sys.exit("usage: python -m adtopk_ps.deathsig PARENT_PID CMD [ARGS...]")
     parent, argv = int(args[0]), list(args[1:])

@@ -79,6 +79,7 @@ class Child:
                 sys.stdout.flush()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the child's whole process group, if it still runs."""
         if self.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
@@ -86,12 +87,14 @@ class Child:
                 pass
 
     def join(self) -> None:
+        """Wait for the child and for its output to be passed on."""
         self.proc.wait()
         self.poll()
         self._pump.join(2)
 
 
 def free_port() -> int:
+    """A TCP port free on this host now, for ``--local`` clusters."""
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
@@ -250,6 +253,7 @@ def local_size(environ: Mapping[str, str]) -> int:
 
 
 def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
+    """Run this host's role from ``DMLC_ROLE``: the scheduler or a server in process, or the command once per local worker."""
     env = keep_freed_memory(os.environ if environ is None else environ)
     config = ClusterConfig.from_env(env)  # validates the whole contract up front
     if config.role == "scheduler":
@@ -273,6 +277,7 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
 
 
 def keygen(argv: Sequence[str]) -> int:
+    """``bpslaunch keygen DIR``: write the cluster's CURVE key pair."""
     ap = argparse.ArgumentParser(prog="bpslaunch keygen",
                                  description="Write a cluster key pair; point PS_CURVE_KEYS at DIR "
                                              "on every role to authenticate and encrypt all traffic.")
@@ -283,6 +288,7 @@ def keygen(argv: Sequence[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``bpslaunch``'s entry point; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["keygen"]:
         return keygen(argv[1:])

@@ -73,6 +73,7 @@ class PeerWatch(Monitor):
         self.problem: str | None = None  # the last handshake failure, if any
 
     def update(self) -> None:
+        """Read the socket's pending connect and disconnect events."""
         for event, _ in self.events():
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.ever_connected, self.down_since, self.problem = True, None, None
@@ -92,6 +93,7 @@ class PeerWatch(Monitor):
         return self.down_since is not None and time.monotonic() - self.down_since > RECONNECT_GRACE
 
     def closed_for(self) -> float:
+        """Seconds the connection has been down (0 while up)."""
         return 0.0 if self.down_since is None else time.monotonic() - self.down_since
 
 

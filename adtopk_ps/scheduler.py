@@ -31,6 +31,8 @@ log = logging.getLogger("adtopk_ps.scheduler")
 
 @dataclass
 class Node:
+    """A registered server or worker, and when the scheduler last heard from it."""
+
     identity: bytes
     role: str
     rank: int
@@ -42,10 +44,13 @@ class Node:
 
     @property
     def label(self) -> str:
+        """How messages name the node: role, rank and address."""
         return f"{self.role} {self.rank} ({self.address})"
 
 
 class Scheduler:
+    """The scheduler's state: the nodes, the barriers in progress and who has finished."""
+
     def __init__(self, config: ClusterConfig, ctx: zmq.Context | None = None):
         self.config = config
         self.ctx = ctx or zmq.Context.instance()
@@ -59,6 +64,7 @@ class Scheduler:
         self.barrier_waiting: set[bytes] = set()
 
     def run(self) -> int:
+        """Serve until every worker has finished (0) or a node is lost (non-zero)."""
         cfg = self.config
         log.info("scheduler listening on port %d for %d server(s) and %d worker(s) (pid %d)",
                  cfg.root_port, cfg.num_servers, cfg.num_workers, os.getpid())
@@ -281,6 +287,7 @@ class Scheduler:
 
 
 def main() -> int:
+    """The scheduler process: configured from the environment, returns its exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop_quietly_on_signals("scheduler")
     try:

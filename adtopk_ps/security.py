@@ -28,6 +28,8 @@ KEY_NAME = "cluster"
 
 @dataclass(frozen=True)
 class CurveKeys:
+    """The cluster's CURVE key pair and where it was read from."""
+
     public: bytes
     secret: bytes
     directory: Path
@@ -43,6 +45,7 @@ def keygen(directory: str | Path) -> Path:
 
 
 def keys_from_env(environ: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The key pair in ``PS_CURVE_KEYS``, or None when it is unset; a bad directory raises ``EnvError``."""
     env = os.environ if environ is None else environ
     directory = env.get("PS_CURVE_KEYS", "").strip()
     if not directory:
@@ -73,6 +76,7 @@ class Security:
             self._auth.configure_curve(domain="*", location=str(keys.directory))
 
     def server(self, sock: zmq.Socket) -> zmq.Socket:
+        """Make a binding socket a CURVE server (unchanged without keys)."""
         if self.keys is not None:
             sock.curve_secretkey = self.keys.secret
             sock.curve_publickey = self.keys.public
@@ -80,6 +84,7 @@ class Security:
         return sock
 
     def client(self, sock: zmq.Socket) -> zmq.Socket:
+        """Make a connecting socket a CURVE client (unchanged without keys)."""
         if self.keys is not None:
             sock.curve_secretkey = self.keys.secret
             sock.curve_publickey = self.keys.public
@@ -87,6 +92,7 @@ class Security:
         return sock
 
     def close(self) -> None:
+        """Stop the ZAP authenticator, if one runs."""
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

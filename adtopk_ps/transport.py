@@ -58,6 +58,7 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
 
 
 def send(sock: zmq.Socket, frames: list, identity: bytes | None = None) -> None:
+    """Send ``frames`` without copying, to ``identity`` on a ROUTER socket."""
     if identity is not None:
         frames = [identity, *frames]
     sock.send_multipart(frames, copy=False)
@@ -196,15 +197,19 @@ class SchedulerLink:
                                f"{self.config.heartbeat_timeout:.1f} s); ending the job")
 
     def barrier(self, seq: int) -> None:
+        """Enter barrier ``seq``; the scheduler answers once every worker has entered it."""
         self._send("barrier", round=seq)
 
     def finish(self) -> None:
+        """Tell the scheduler this node is done, so its going quiet is not a loss."""
         self._send("finish")
 
     def close(self) -> None:
+        """Close the link to the scheduler."""
         self.watch.close()
         self.sock.close(0)
 
 
 def register_timeout() -> float:
+    """Seconds to wait for the cluster to form (``PS_REGISTER_TIMEOUT_S``, default 600)."""
     return float(env_int("PS_REGISTER_TIMEOUT_S", 600, minimum=1))

@@ -45,6 +45,8 @@ class WireError(ValueError):
 
 @dataclass
 class Message:
+    """One decoded message: its header fields, its payload if it carries a tensor, and any other header keys."""
+
     op: str
     key: int = 0
     round: int = 0

@@ -57,7 +57,7 @@ if ! "$py" -c "from adtopk_ps.testing import netns; import sys; sys.exit(bool(ne
     echo "=== e2e: network namespaces cannot be made here: over loopback, unshaped"
     links=(loopback)
 fi
-step e2e 150 "$py" benchmarks/e2e.py --device cuda --models vgg --links "${links[@]}" \
+step e2e 200 "$py" benchmarks/e2e.py --device cuda --models vgg --links "${links[@]}" \
     --systems ps-dense ps-topk ps-adtopk ddp-dense --trials 1 --steps 5 --warmup 2 --out "$out"
 
 if [ ${#failed[@]} -gt 0 ]; then

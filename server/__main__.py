@@ -1,3 +1,4 @@
+"""``python -m server``: the server role (``bpslaunch`` starts it from ``DMLC_ROLE=server``)."""
 import sys
 
 from .service import main

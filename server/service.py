@@ -29,12 +29,15 @@ log = logging.getLogger("adtopk_ps.server")
 
 @dataclass(frozen=True)
 class ServerLimits:
+    """What one server accepts: the largest message, the most keys, the most bytes of buffers."""
+
     max_message_bytes: int
     max_keys: int
     max_bytes: int
 
     @classmethod
     def from_env(cls) -> "ServerLimits":
+        """The limits from ``PS_MAX_MESSAGE_BYTES``, ``PS_MAX_KEYS`` and ``PS_SERVER_MAX_BYTES``."""
         return cls(
             max_message_bytes=env_int("PS_MAX_MESSAGE_BYTES", wire.DEFAULT_MAX_MESSAGE_BYTES, minimum=1),
             max_keys=env_int("PS_MAX_KEYS", 1 << 20, minimum=1),
@@ -55,6 +58,8 @@ def resparsifier_from_env() -> Compressor | None:
 
 
 class Server:
+    """The server process: receives pushes, aggregates them per key, answers each round to every worker."""
+
     def __init__(self, config: ClusterConfig, limits: ServerLimits, resparsify=None,
                  ctx: zmq.Context | None = None):
         self.config, self.limits = config, limits
@@ -70,6 +75,7 @@ class Server:
         self.rejected = 0
 
     def run(self) -> int:
+        """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
         try:
             self.link.register(self.port)
             log.info("server %d serving on port %d (pid %d)", self.link.rank, self.port, os.getpid())
@@ -96,6 +102,7 @@ class Server:
             self.link.close()
 
     def on_push(self, identity: bytes, frames: list) -> None:
+        """Decode, check and aggregate one message; a bad one gets an ``error`` reply and nothing else changes."""
         key = rnd = 0
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
@@ -155,6 +162,7 @@ class Server:
 
 
 def main() -> int:
+    """The server process: configured from the environment, returns its exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop_quietly_on_signals("server")
     try:

@@ -316,26 +316,33 @@ def test_interrupting_bpslaunch_stops_every_role_within_2_s_with_one_line_each(s
 
 
 def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
-    """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept; each
-    takes its id as its device index (all share one host's GPUs). (The
-    workers end with status 5 once both have printed: the servers would otherwise wait for them
-    to join.)"""
+    """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept (a blank
+    one is unset); each takes its id as its device index (all share one host's GPUs). The three
+    jobs run side by side; their workers end with status 5 once both have printed (the servers
+    would otherwise wait for them to join)."""
     program = ("import os, sys, time, pathlib; print('threads', os.environ['OMP_NUM_THREADS'], "
                "'index', os.environ['DMLC_WORKER_ID'], os.environ['PS_DEVICE_INDEX'], flush=True); "
-               f"d = pathlib.Path({str(tmp_path)!r}) / os.environ['OMP_NUM_THREADS']; d.mkdir(exist_ok=True); "
+               f"d = pathlib.Path({str(tmp_path)!r}) / os.environ['CASE']; d.mkdir(exist_ok=True); "
                "(d / os.environ['DMLC_WORKER_ID']).touch(); end = time.time() + 20\n"
                "while len(list(d.iterdir())) < 2 and time.time() < end: time.sleep(0.05)\n"
                "sys.exit(5)")
     clean = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     expected = str(max(1, len(os.sched_getaffinity(0)) // 2))
-    for env, threads in ((clean, expected), ({**clean, "OMP_NUM_THREADS": "3"}, "3"),
-                         ({**clean, "OMP_NUM_THREADS": " "}, expected)):
-        run = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
-                              "2", "--num-servers", "1", "--", sys.executable, "-c", program],
-                             env={**env, **FAST}, capture_output=True, text=True, timeout=60)
-        assert run.returncode == 5, run.stdout
-        assert re.findall(r"\[worker \d\] threads (\d+)", run.stdout) == [threads] * 2, run.stdout
-        assert sorted(re.findall(r"index (\d) (\d)", run.stdout)) == [("0", "0"), ("1", "1")]
+    cases = [(clean, expected, "a"), ({**clean, "OMP_NUM_THREADS": "3"}, "3", "b"),
+             ({**clean, "OMP_NUM_THREADS": " "}, expected, "c")]
+    procs = [subprocess.Popen([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
+                               "2", "--num-servers", "1", "--", sys.executable, "-c", program],
+                              env={**env, **FAST, "CASE": case}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for env, _, case in cases]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for (_, threads, _), p, out in zip(cases, procs, outputs):
+        assert p.returncode == 5, out
+        assert re.findall(r"\[worker \d\] threads (\d+)", out) == [threads] * 2, out
+        assert sorted(re.findall(r"index (\d) (\d)", out)) == [("0", "0"), ("1", "1")]
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1"])

@@ -63,6 +63,7 @@ def job_identity(cfg: dict) -> dict:
 
 
 def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
+    """Where worker ``rank`` keeps its checkpoint in ``directory``."""
     return Path(directory) / f"worker{rank}.pt"
 
 

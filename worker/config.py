@@ -27,6 +27,7 @@ DEFAULTS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The training job's command line (``python -m worker --help``)."""
     ap = argparse.ArgumentParser(prog="python -m worker", description="The training job that bpslaunch starts.")
     ap.add_argument("--config", required=True, help="a YAML file in configs/")
     ap.add_argument("--steps", type=int, help="train this many steps (overrides epochs)")

@@ -27,6 +27,8 @@ class DatasetUnavailable(ValueError):
 
 @dataclass
 class Dataset:
+    """A task's train and test tensors, and whether it is classification or a language model."""
+
     x_train: torch.Tensor
     y_train: torch.Tensor
     x_test: torch.Tensor
@@ -48,6 +50,7 @@ class Dataset:
                        self.y_test.to(device), self.task)
 
     def batches_per_epoch(self, batch_size: int) -> int:
+        """Whole batches of ``batch_size`` in the training set (at least one)."""
         return max(1, len(self.x_train) // batch_size)
 
     def batch(self, step: int, batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +64,7 @@ class Dataset:
 
 
 def digits(seed: int) -> Dataset:
+    """scikit-learn's 8x8 digits, as a classification task."""
     from sklearn.datasets import load_digits
     raw = load_digits()
     x = torch.tensor(raw.images, dtype=torch.float32).unsqueeze(1) / 16.0
@@ -140,6 +144,7 @@ def python_source(context: int = 64, limit_bytes: int = 2_000_000) -> Dataset:
 
 
 def synthetic_images(seed: int, count: int = 2048, side: int = 32, classes: int = 10) -> Dataset:
+    """Random images and labels, for throughput runs that need no dataset."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(count, 3, side, side, generator=gen)
     y = torch.randint(0, classes, (count,), generator=gen)

@@ -7,12 +7,15 @@ from torch import nn
 
 
 class MLP(nn.Module):
+    """A perceptron with two hidden layers, for flat inputs (digits)."""
+
     def __init__(self, inputs: int = 64, classes: int = 10, hidden: int = 256):
         super().__init__()
         self.net = nn.Sequential(nn.Flatten(), nn.Linear(inputs, hidden), nn.ReLU(),
                                  nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of flattened inputs."""
         return self.net(x)
 
 
@@ -28,6 +31,7 @@ class SmallCNN(nn.Module):
                                   nn.Linear(128, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of images."""
         return self.head(self.features(x))
 
 
@@ -47,10 +51,13 @@ class ConvNet(nn.Module):
                                   nn.ReLU(), nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of images."""
         return self.head(self.features(x))
 
 
 class BasicBlock(nn.Module):
+    """ResNet's two-convolution residual block."""
+
     def __init__(self, cin: int, cout: int, stride: int):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
@@ -62,6 +69,7 @@ class BasicBlock(nn.Module):
             self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output: its convolutions plus the shortcut."""
         out = torch.relu(self.bn1(self.conv1(x)))
         return torch.relu(self.bn2(self.conv2(out)) + self.short(x))
 
@@ -81,6 +89,7 @@ class ResNet18(nn.Module):
         self.fc = nn.Linear(cin, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of images."""
         out = self.layers(self.stem(x))
         return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(out, 1), 1))
 
@@ -102,6 +111,7 @@ class VGG(nn.Module):
                                         nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of images."""
         return self.classifier(self.features(x))
 
 
@@ -120,6 +130,7 @@ class TransformerLM(nn.Module):
                              persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-byte logits at every position of a batch of byte sequences."""
         n = tokens.shape[1]
         h = self.embed(tokens) + self.pos[:n]
         return self.out(self.blocks(h, mask=self.mask[:n, :n], is_causal=True))
@@ -129,6 +140,7 @@ MODELS = {"mlp": MLP, "cnn": SmallCNN, "convnet": ConvNet, "resnet18": ResNet18,
 
 
 def build(name: str, spec: dict) -> nn.Module:
+    """The model named ``name`` built with ``spec``; an unknown name raises ``ValueError`` listing the valid ones."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid: {sorted(MODELS)}")
     return MODELS[name](**spec)

@@ -32,16 +32,19 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
+    """``"256x256"`` as ``(256, 256)``."""
     return tuple(int(d) for d in text.lower().split("x"))
 
 
 def gradient(shape: tuple[int, ...], dtype: torch.dtype, worker: int, rnd: int, tensor: int,
              seed: int) -> torch.Tensor:
+    """A worker's gradient for one round and tensor: small integers from shared seeds, so any worker can recompute it."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + worker * 10_007 + rnd * 101 + tensor)
     return torch.randint(-8, 9, shape, generator=gen).to(dtype)
 
 
 def make_compressor(args: argparse.Namespace):
+    """The compressor the command line asks for."""
     if args.compressor == "none":
         return create("none")
     return create(args.compressor, ratio=args.ratio, ef="vanilla" if args.ef else None)
@@ -60,6 +63,7 @@ def expected(compressors: list, grads: list[torch.Tensor], name: str, step: int,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module's docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--compressor", default="adtopk", choices=sorted(COMPRESSORS))
     ap.add_argument("--ratio", type=float, default=0.05)
@@ -80,6 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Push known gradients for ``--rounds`` rounds and check every sum exactly; returns the exit status."""
     args = parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes]
     dtype = DTYPES[args.dtype]

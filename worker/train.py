@@ -48,6 +48,7 @@ def lr_at(step: int, total: int, base: float, schedule: dict) -> float:
 
 
 def make_optimizer(model: nn.Module, spec: dict) -> torch.optim.Optimizer:
+    """The torch optimizer a config's ``optimizer`` section names."""
     spec = dict(spec)
     name = spec.pop("name", "sgd")
     if name not in OPTIMIZERS:
@@ -56,6 +57,7 @@ def make_optimizer(model: nn.Module, spec: dict) -> torch.optim.Optimizer:
 
 
 def make_compression(cfg: dict) -> bps.GradientCompression:
+    """The config's compressor with its partial-sparsification policy, cost model and dense transport."""
     spec = cfg["compression"]
     name = spec.get("compressor", "none") if isinstance(spec, dict) else spec
     compressor = None if name == "none" else create(spec)
@@ -67,6 +69,7 @@ def make_compression(cfg: dict) -> bps.GradientCompression:
 
 
 def evaluate(model: nn.Module, data: Dataset) -> tuple[float, float]:
+    """Test loss and accuracy of ``model`` on ``data``'s test set."""
     model.eval()
     with torch.no_grad():
         logits = model(data.x_test)
@@ -206,6 +209,7 @@ def end_progress_lines() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m worker``: the training job; returns the exit status."""
     # the cluster's notices at INFO, as the server and the scheduler log them; other libraries'
     # loggers keep their own levels
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")

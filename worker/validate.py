@@ -65,6 +65,7 @@ def _number_hint(value: Any) -> str:
 
 
 def integer(minimum: int, optional: bool = False) -> Check:
+    """A check that a value is an integer of at least ``minimum`` (or null where ``optional``)."""
     def check(key: str, value: Any, _cfg: Mapping) -> None:
         if value is None and optional:
             return
@@ -75,11 +76,13 @@ def integer(minimum: int, optional: bool = False) -> Check:
 
 
 def boolean(key: str, value: Any, _cfg: Mapping) -> None:
+    """Check that a value is true or false."""
     if not isinstance(value, bool):
         _fail(key, value, "must be true or false")
 
 
 def choice(options: Mapping | tuple) -> Check:
+    """A check that a value is one of ``options``, suggesting the closest where it is not."""
     def check(key: str, value: Any, _cfg: Mapping) -> None:
         if not isinstance(value, str) or value not in options:
             close = difflib.get_close_matches(str(value), list(options), n=1)
@@ -110,10 +113,12 @@ def _kwargs(key: str, given: Any, fn: Callable, skip: tuple[str, ...] = ()) -> N
 
 
 def model_args(key: str, value: Any, cfg: Mapping) -> None:
+    """Check ``model_args`` against the chosen model's parameters."""
     _kwargs(key, value, MODELS[cfg["model"]])
 
 
 def dataset_args(key: str, value: Any, cfg: Mapping) -> None:
+    """Check ``dataset_args`` against the chosen dataset's parameters."""
     _kwargs(key, value, DATASETS[cfg["dataset"]], skip=("seed",))
     try:
         check_available(cfg["dataset"], value)
@@ -150,6 +155,7 @@ def optimizer(key: str, value: Any, _cfg: Mapping) -> None:
 
 
 def lr_schedule(key: str, value: Any, _cfg: Mapping) -> None:
+    """Check the LR schedule's name and its keys."""
     _mapping(key, value)
     name = value.get("name", "constant")
     choice(LR_SCHEDULES)(f"{key}.name", name, _cfg)
@@ -191,6 +197,7 @@ def device(key: str, value: Any, cfg: Mapping) -> None:
 
 
 def metrics(key: str, value: Any, _cfg: Mapping) -> None:
+    """Check that ``metrics`` is null or a file in an existing folder."""
     if value is None:
         return
     if not isinstance(value, str) or not value:

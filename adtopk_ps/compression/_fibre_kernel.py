@@ -142,6 +142,7 @@ def _store(v_ptr, i_ptr, x, pos, sel, out_at, IDT: tl.constexpr):
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, G: tl.constexpr, MB: tl.constexpr,
            TB: tl.constexpr, SMALL: tl.constexpr, FEEDBACK: tl.constexpr, W: tl.constexpr):
+    """The Triton program for one tile of fibres: compensate, select each fibre's top k by bisection, write values and positions, update the residual (see fibre_triton.py)."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))

@@ -21,10 +21,20 @@ LAYOUTS = ("axis", "rows")
 
 
 def fibre_k(length: int, ratio: float) -> int:
+    """Entries a fibre of ``length`` keeps at density ``ratio``: at least one, so no fibre is left out."""
     return max(1, math.floor(length * ratio))
 
 
 class ADTopk(Compressor):
+    """All-dimension top-k: every fibre along axis 1 keeps its own ``fibre_k(shape[1], ratio)`` largest |g|.
+
+    Example::
+
+        comp = ADTopk(ratio=0.01)
+        payload = comp.compress(torch.randn(512, 1024), name="fc.weight")   # 10 per row, uint16 positions
+        grad = comp.decompress(payload)
+    """
+
     name = "adtopk"
 
     def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None):
@@ -42,6 +52,7 @@ class ADTopk(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """A ``fibre`` payload of each fibre's largest entries; tensors under two dimensions are refused."""
         if tensor.dim() < 2:
             raise ValueError(
                 f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
@@ -114,6 +125,7 @@ class ADTopkInterleaved(ADTopk):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """ADTopk on this tensor's even calls, global top-k on its odd ones."""
         turn = self.calls.get(name, 0)
         self.calls[name] = turn + 1
         if turn % 2 == 0:
@@ -124,6 +136,7 @@ class ADTopkInterleaved(ADTopk):
 
     def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
                                step: int = 0, ratio: float | None = None) -> Payload | None:
+        """As :meth:`compress`, with error feedback fused into the selection (see ``ErrorFeedback``)."""
         turn = self.calls.get(name, 0)
         if turn % 2:
             payload = self._coo_with_feedback(tensor, residual, ratio)
@@ -134,7 +147,9 @@ class ADTopkInterleaved(ADTopk):
         return payload
 
     def state_dict(self) -> dict:
+        """Each tensor's turn, so a resumed job alternates where it left off."""
         return {"calls": dict(self.calls)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the turns saved by :meth:`state_dict`."""
         self.calls = {str(k): int(v) for k, v in state.get("calls", {}).items()}

@@ -19,6 +19,7 @@ VALUE_DTYPES: dict[str | None, torch.dtype | None] = {
 
 
 def check_ratio(ratio: object, what: str = "ratio") -> float:
+    """``ratio`` as a float in (0, 1]; anything else raises ``ValueError`` naming ``what``."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"{what} must be a number in (0, 1], got {ratio!r}")
     return float(ratio)
@@ -46,9 +47,11 @@ class Compressor(ABC):
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """The payload to send for ``tensor``; ``ratio`` overrides the configured density for this call."""
         ...
 
     def decompress(self, payload: Payload) -> torch.Tensor:
+        """A dense tensor of the payload's shape, dtype and device: zeros where nothing was sent."""
         return payload.decompress()
 
     def state_dict(self) -> dict:
@@ -56,6 +59,7 @@ class Compressor(ABC):
         return {}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved; stateless compressors refuse any state."""
         if state:
             raise ValueError(f"{self.name} keeps no state, got keys {sorted(state)}")
 
@@ -107,4 +111,5 @@ def global_k(numel: int, ratio: float) -> int:
 
 
 def flat_of(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as one flat view (a copy only where it is not contiguous)."""
     return tensor.detach().reshape(-1)

@@ -24,6 +24,8 @@ _INDEX_BYTES = 4
 
 @dataclass(frozen=True)
 class CostModel:
+    """Speeds measured in the job (link, compression, one more key) that price sending a tensor sparse against dense."""
+
     bytes_per_s: float  # dense push + pull throughput through the servers
     compress_s_per_element: float
     workers: int
@@ -34,6 +36,7 @@ class CostModel:
     dense_bytes_per_s: float = 0.0
 
     def sparse_pays(self, numel: int, itemsize: int, ratio: float) -> bool:
+        """Whether compressing, sending and answering ``numel`` entries at ``ratio`` takes less time than sending them dense."""
         dense_bytes = numel * itemsize
         sparse_bytes = numel * ratio * (itemsize + _INDEX_BYTES)
         answer = min(self.workers * sparse_bytes, dense_bytes)

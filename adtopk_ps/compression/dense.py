@@ -9,6 +9,8 @@ from .select import all_finite
 
 
 class Dense(Compressor):
+    """No compression: every element, in order (the ``dense`` codec)."""
+
     name = "none"
     sparse = False
 

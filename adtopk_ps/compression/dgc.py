@@ -11,6 +11,8 @@ from .select import above, global_topk, trim
 
 
 class DGC(Compressor):
+    """Deep Gradient Compression's selection: a threshold from a random sample of |g|, trimmed to k."""
+
     name = "dgc"
 
     def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01,
@@ -20,6 +22,7 @@ class DGC(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """A ``coo`` payload of the entries over the sampled threshold, at most k of them."""
         flat = flat_of(tensor)
         numel = flat.numel()
         ratio = self._ratio(ratio)

@@ -13,10 +13,13 @@ _RESCALE_ROUNDS = 3
 
 
 class GaussianK(Compressor):
+    """Gaussian-k: a threshold from a normal fit of g, rescaled until about k entries pass."""
+
     name = "gaussiank"
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """A ``coo`` payload of the entries over the fitted threshold, at most k of them."""
         flat = flat_of(tensor)
         ratio = self._ratio(ratio)
         k = global_k(flat.numel(), ratio)

@@ -64,14 +64,22 @@ class ResidualMemory:
             self.residuals.pop(name, None)
 
     def state_dict(self) -> dict:
+        """The residuals, by tensor name, for a checkpoint."""
         return {name: r.detach().cpu().clone() for name, r in self.residuals.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore residuals saved by :meth:`state_dict`."""
         self.residuals = {name: torch.as_tensor(r).clone() for name, r in state.items()}
 
 
 class ErrorFeedback(Compressor):
-    """A compressor whose dropped mass is carried to the next call of the same tensor."""
+    """A compressor whose dropped mass is carried to the next call of the same tensor.
+
+    Example::
+
+        comp = ErrorFeedback(ADTopk(ratio=0.01))     # or create("adtopk", ratio=0.01, ef="vanilla")
+        payload = comp.compress(grad, name="fc.weight", step=0)   # what was not sent waits for step 1
+    """
 
     def __init__(self, inner: Compressor, memory: ResidualMemory | None = None):
         self.inner = inner
@@ -81,6 +89,7 @@ class ErrorFeedback(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """Compress ``g + r`` and keep what was not sent as the new ``r``."""
         fused = getattr(self.inner, "compress_with_feedback", None)
         residual = self.memory.matching(name, tensor)
         if fused is not None and residual is not None:
@@ -93,12 +102,15 @@ class ErrorFeedback(Compressor):
         return payload
 
     def decompress(self, payload: Payload) -> torch.Tensor:
+        """The inner compressor's decompression."""
         return self.inner.decompress(payload)
 
     def state_dict(self) -> dict:
+        """The residuals and the inner compressor's per-layer state."""
         return {"compressor": self.inner.state_dict(), "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.inner.load_state_dict(state.get("compressor", {}))
         self.memory.load_state_dict(state.get("residuals", {}))
 

@@ -47,6 +47,7 @@ class PayloadError(ValueError):
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of ``dtype``; a dtype the wire does not carry raises ``PayloadError``."""
     try:
         return _NAME_OF[dtype]
     except KeyError:
@@ -75,6 +76,8 @@ def seed_for(name: str, step: int, base: int = 0) -> int:
 
 @dataclass
 class Payload:
+    """One compressed tensor: its codec, shape and dtype, and the value (and index) buffers that go on the wire."""
+
     codec: str
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -91,6 +94,7 @@ class Payload:
 
     @property
     def numel(self) -> int:
+        """Elements of the tensor the payload stands for (not of what it carries)."""
         return math.prod(self.shape)
 
     @property
@@ -149,6 +153,7 @@ class Payload:
 
     @classmethod
     def from_meta(cls, meta: object, buffers: Sequence, max_numel: int = 1 << 31) -> "Payload":
+        """Rebuild a payload from untrusted metadata and buffers, checking every field before touching memory."""
         spec = _check_meta(meta, max_numel)
         has_indices = spec["codec"] in ("fibre", "coo")
         if len(buffers) != 1 + has_indices:
@@ -236,6 +241,7 @@ class Payload:
             raise PayloadError(f"payload shape {self.shape} does not match buffer {tuple(out.shape)}")
 
     def decompress(self) -> torch.Tensor:
+        """The dense tensor: zeros with the sent entries in place."""
         out = torch.empty(self.shape, dtype=self.dtype, device=self.values.device)
         return self.write_into(out)
 

@@ -22,11 +22,21 @@ DEFAULT_MIN_COMPRESS_BYTES = 65536
 
 @dataclass(frozen=True)
 class Route:
+    """How one tensor travels: dense, or sparse at ``ratio``."""
+
     dense: bool
     ratio: float
 
 
 class SparsificationPolicy:
+    """Which tensors are sparsified, and at what density (partial sparsification).
+
+    Example::
+
+        policy = SparsificationPolicy(ratio=0.01, min_compress_bytes=65536)
+        routes = policy.plan(model.named_parameters())   # name -> Route(dense, ratio)
+    """
+
     def __init__(self, ratio: float = 0.01, min_compress_bytes: int | None = None,
                  budget: bool = False, environ: Mapping[str, str] | None = None,
                  cost_model: CostModel | None = None):
@@ -69,6 +79,7 @@ class SparsificationPolicy:
         return {name: self._route(shape, dtype) for name, shape, dtype in tensors}
 
     def route(self, tensor: torch.Tensor) -> Route:
+        """The route of one tensor by its shape, size and, with a cost model, its measured price."""
         return self._route(tuple(tensor.shape), tensor.dtype)
 
     def _route(self, shape: tuple[int, ...], dtype: torch.dtype) -> Route:

@@ -10,6 +10,8 @@ from .select import all_finite
 
 
 class RandomK(Compressor):
+    """Random-k: k positions drawn from a seed every worker derives from the name and step, so only values travel."""
+
     name = "randomk"
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, value_dtype: str | None = None):
@@ -20,6 +22,7 @@ class RandomK(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """A ``seeded`` payload: the values at this name and step's random positions."""
         flat = flat_of(tensor)
         k = global_k(flat.numel(), self._ratio(ratio))
         seed = seed_for(name, step, self.seed)

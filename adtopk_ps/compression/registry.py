@@ -33,6 +33,12 @@ def create(spec: str | Mapping, **params) -> Compressor:
     """A compressor from a name and parameters, or from ``{"compressor": name, ...}``.
 
     ``ef="vanilla"`` wraps it with error feedback.
+
+    Example::
+
+        comp = create("adtopk", ratio=0.01, ef="vanilla")
+        comp = create({"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})   # byteps' form
+        payload = comp.compress(grad, name="fc.weight", step=0)
     """
     if isinstance(spec, Mapping):
         params = {**spec, **params}

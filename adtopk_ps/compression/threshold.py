@@ -19,6 +19,8 @@ from .select import above, global_topk
 
 @dataclass
 class LayerThreshold:
+    """One tensor's threshold and how often it is refreshed from an exact top-k."""
+
     threshold: float = 0.0
     tau: int = 5
     since_refresh: int = 0
@@ -27,6 +29,8 @@ class LayerThreshold:
 
 
 class Threshold(Compressor):
+    """Sends |g| above a per-layer threshold, refreshed from an exact top-k every ``tau`` calls."""
+
     name = "threshold"
 
     def __init__(self, ratio: float = 0.01, warmup: int = 15, tau: int = 5, tau_min: int = 5,
@@ -41,6 +45,7 @@ class Threshold(Compressor):
 
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
+        """A ``coo`` payload of the entries over this tensor's threshold."""
         flat = flat_of(tensor)
         layer = self.layers.setdefault(name, LayerThreshold(tau=self.tau))
         layer.calls += 1
@@ -65,7 +70,9 @@ class Threshold(Compressor):
         layer.refreshes += 1
 
     def state_dict(self) -> dict:
+        """Each tensor's threshold and ``tau``, for a checkpoint."""
         return {"layers": {name: asdict(s) for name, s in self.layers.items()}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.layers = {name: LayerThreshold(**s) for name, s in state.get("layers", {}).items()}

@@ -27,6 +27,15 @@ _ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret 
 
 
 class ADTopkHookState:
+    """What :func:`adtopk_hook` needs: the compression, each parameter's name, the process group.
+
+    Example::
+
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = bps.ADTopkHookState(model, {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+        ddp.register_comm_hook(state, bps.adtopk_hook)
+    """
+
     def __init__(self, model: torch.nn.Module, compression: Compressor | str | Mapping | GradientCompression,
                  process_group: dist.ProcessGroup | None = None):
         """Every rank of ``process_group`` must build its state: they compare what they will
@@ -86,6 +95,15 @@ def _unpack(blob: torch.Tensor, like: list[Payload], counts: list[int]) -> list[
 
 
 def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: dense tensors of the bucket in one all_reduce, sparse payloads in one all_gather.
+
+    Every rank sums every rank's payloads itself, so the result equals the PS path's
+    average. Register it with the state built by :class:`ADTopkHookState`.
+
+    Example::
+
+        ddp.register_comm_hook(bps.ADTopkHookState(model, "adtopk"), bps.adtopk_hook)
+    """
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     buffer = bucket.buffer()

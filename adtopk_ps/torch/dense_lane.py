@@ -54,6 +54,7 @@ _groups: "weakref.WeakKeyDictionary[PSClient, dict[str | None, Group]]" = weakre
 
 
 def check_transport(transport: str) -> str:
+    """``transport`` if it is ``"ps"``, ``"allreduce"`` or ``"auto"``; anything else raises ``ValueError``."""
     if transport not in TRANSPORTS:
         raise ValueError(f"dense_transport must be one of {list(TRANSPORTS)}, got {transport!r}")
     return transport
@@ -139,6 +140,7 @@ class Reduction:
         self.nonfinite = False  # the average: alike on every worker (set by wait)
 
     def launch(self, group: Group) -> None:
+        """Start the all-reduce on ``group`` (in the order every worker starts them)."""
         self.work = group.allreduce([self.tensor])
         if group.name() != "nccl":  # (NCCL's future completes once its kernels are queued)
             self.work.get_future().add_done_callback(lambda _: self._done.set())
@@ -157,6 +159,7 @@ class Reduction:
         return True
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """The averaged tensor; raises, naming the worker, if a peer died or hung meanwhile."""
         if self.work is None:
             raise RuntimeError(f"the all-reduce of {self.name!r} has not started: a tensor before "
                                f"it in the order every worker starts them in is not ready yet")
@@ -205,6 +208,7 @@ class DenseLane:
         return [[r for r in range(self.size) if row[r]] for row in table.tolist()]
 
     def start(self, name: str, tensor: torch.Tensor) -> Reduction:
+        """Queue ``name``'s all-reduce; it starts once every tensor before it in the order has started."""
         index = self._index[name]
         if index < self._next or index in self._waiting:
             raise RuntimeError(f"{name!r} all-reduced twice in one round; with gradient "

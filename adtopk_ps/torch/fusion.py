@@ -27,6 +27,8 @@ def fusion_bytes() -> int:
 
 @dataclass
 class Bucket:
+    """One fusion bucket: a flat buffer, its members' offsets, and which members' gradients are in."""
+
     name: str
     buffer: torch.Tensor  # flat
     members: list[tuple[torch.Tensor, int]]  # (parameter, offset into buffer)

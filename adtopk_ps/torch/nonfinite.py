@@ -30,6 +30,7 @@ class NonFiniteGradient(RuntimeError):
 
 
 def check_policy(policy: object) -> str:
+    """``policy`` if it is ``"stop"`` or ``"skip"``; anything else raises ``ValueError``."""
     if policy not in POLICIES:
         raise ValueError(f"nonfinite must be one of {list(POLICIES)}, got {policy!r}")
     return policy
@@ -73,6 +74,7 @@ class NonFiniteGuard:
                 f"nonfinite='skip' would skip such steps)")
 
     def describe(self, members: Callable[[str], list[str]]) -> str:
+        """One line naming each tensor with a NaN or infinity and the workers it came from."""
         parts = []
         for name, ranks in self.found.items():
             inside = members(name)

@@ -60,7 +60,16 @@ class _Once:
 
 
 class GradientCompression:
-    """One compressor plus the policy that says which tensors it gets, and at what density."""
+    """One compressor plus the policy that says which tensors it gets, and at what density.
+
+    Example::
+
+        compression = bps.GradientCompression(
+            {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"},
+            SparsificationPolicy(0.01, min_compress_bytes=65536), dense_transport="auto")
+        opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=compression)
+    """
 
     def __init__(self, compression: Compressor | str | Mapping | None = None,
                  policy: SparsificationPolicy | None = None, measure_costs: bool = False,
@@ -116,20 +125,25 @@ class GradientCompression:
         return self.costs
 
     def plan(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Route every named tensor (dense or sparse, and at what density) before the first push."""
         self.routes = self.policy.plan(named)
 
     def dense(self, name: str) -> bool:
+        """Whether ``name`` travels dense."""
         return self.compressor is None or self.routes[name].dense
 
     def for_tensor(self, name: str) -> tuple[Compressor | None, float | None]:
+        """The compressor and density for ``name``; ``(None, None)`` where it travels dense."""
         if self.dense(name):
             return None, None
         return self.compressor, self.routes[name].ratio
 
     def state_dict(self) -> dict:
+        """The compressor's state (residuals, per-layer state) for a checkpoint."""
         return self.compressor.state_dict() if self.compressor is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
         if self.compressor is not None:
             self.compressor.load_state_dict(state)
 

@@ -66,6 +66,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for _, p in named]
 
     def forward(self, *inputs, **kwargs):
+        """The wrapped module's forward, after copying the root's buffers when ``broadcast_buffers`` asks for it."""
         if self.broadcast_buffers and self._sync and torch.is_grad_enabled():
             buffers = list(self.module.named_buffers())
             if buffers:

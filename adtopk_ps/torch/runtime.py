@@ -30,9 +30,11 @@ class Membership:
 
     @property
     def joined(self) -> bool:
+        """Whether this process has joined the cluster."""
         return self._client is not None
 
     def join(self, config: ClusterConfig | None) -> None:
+        """Connect to the cluster (once; later calls do nothing)."""
         with self._lock:
             if self._client is None:
                 self._client = PSClient(config)
@@ -40,6 +42,7 @@ class Membership:
                 atexit.register(self.leave)
 
     def leave(self) -> None:
+        """Finish and close the connection."""
         with self._lock:
             client, self._client, self._suspended = self._client, None, False
         if client is not None:
@@ -91,6 +94,12 @@ def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:
     """Join the cluster described by the DMLC environment (once per process).
 
     ``lazy`` is byteps' and changes nothing here: the connection is made now.
+
+    Example::
+
+        import adtopk_ps.torch as bps
+        bps.init()                     # under bpslaunch, which sets the DMLC variables
+        print(bps.rank(), bps.size())
     """
     _membership.join(config)
 
@@ -119,6 +128,7 @@ def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
 
 
 def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
     return _membership.joined
 
 
@@ -128,16 +138,20 @@ def client(paused_ok: bool = False) -> PSClient:
 
 
 def rank() -> int:
+    """This worker's rank among all workers, as the scheduler assigned it."""
     return _membership.client(paused_ok=True).rank
 
 
 def size() -> int:
+    """The number of workers."""
     return _membership.client(paused_ok=True).size
 
 
 def local_rank() -> int:
+    """This worker's index on its host (``BYTEPS_LOCAL_RANK``, default 0)."""
     return env_int("BYTEPS_LOCAL_RANK", 0, minimum=0, environ=os.environ)
 
 
 def local_size() -> int:
+    """Worker processes on this host (``BYTEPS_LOCAL_SIZE``, default 1)."""
     return env_int("BYTEPS_LOCAL_SIZE", 1, minimum=1, environ=os.environ)

@@ -1,20 +1,16 @@
 """Choosing by timing real steps: overlap or not (``overlap="auto"``), and with the cost
 model, its routes or every tensor dense.
 
-Overlap pays where a core is free for the engine thread (e2e benchmark, VGG,
-one worker on two cores: 179 ms a step with overlap, 222 without). Where
-every core is busy (more processes than cores, servers on the workers' hosts)
-the engine's compression takes the CPU the backward pass needs, and the two
-ways measured within 1-8% of each other, either one faster (two workers on two
-cores: VGG 264 against 273 ms, ResNet-18 475 against 459).
+Overlap pays where a core is free for the engine thread. Where every core is
+busy (more processes than cores, servers on the workers' hosts) the engine's
+compression takes the CPU the backward pass needs, and either way can be the
+faster (docs/benchmark-e2e.md, "Overlap").
 
 The cost model prices each tensor from link and compression speeds timed
 with nothing else running. Where the step is CPU-bound, the sparse route's
 CPU (compression, the servers' aggregation) comes out of the backward pass
-while a dense all-reduce's link time does not, which the model cannot see
-(e2e, Transformer at 10 Gbit/s, paired with dense DDP: 0.94x-0.99x with 8 of
-its 52 tensors sparse, 1.00x with all dense). So its plan is timed against
-sending every tensor dense.
+while a dense all-reduce's link time does not, which the model cannot see.
+So its plan is timed against sending every tensor dense.
 
 Which holds depends on the job's hosts, so it is measured in the job: after
 a few steps to settle in, steps take the modes in turn, so that a shared
