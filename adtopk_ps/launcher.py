@@ -183,9 +183,11 @@ class _Supervision:
         self.kill_at: float | None = None
 
     def running(self) -> bool:
+        """Whether some child has not been seen to end."""
         return len(self.seen) < len(self.children)
 
     def record_exits(self, now: float) -> None:
+        """Note every child that ended since the last look; the first failure sets the stop."""
         for child in [c for c in self.children if id(c) not in self.seen and c.poll() is not None]:
             self.seen.add(id(child))
             if child.code == 0 or self.term_at is not None:
@@ -208,6 +210,7 @@ class _Supervision:
                   file=sys.stderr, flush=True)
 
     def check_deadline(self, now: float) -> None:
+        """Past --timeout with nothing failed: a failure of its own (124), and the stop."""
         if self.deadline is not None and now > self.deadline and not self.failures and self.term_at is None:
             self.failures.append((now, 124))
             print(f"[bpslaunch] the job ran past its {self.timeout:.0f} s timeout; stopping it",

@@ -165,6 +165,7 @@ class Workload:
         self._cross_entropy = torch.nn.functional.cross_entropy
 
     def loss(self, net):
+        """``net``'s cross-entropy on the batch (tokens flattened for the transformer)."""
         out = net(self.x)
         return self._cross_entropy(out.reshape(-1, out.shape[-1]), self.y.reshape(-1))
 
@@ -175,7 +176,7 @@ class Workload:
 
 
 def nothing() -> None:
-    pass
+    """A kind's preparation where it needs none."""
 
 
 def interleaved(kinds: Kinds, rounds: int, device) -> dict[str, tuple[float, float, list[float]]]:
@@ -218,10 +219,12 @@ class Traffic:
         self.compress_s, self.bytes = client.compress_seconds, self.moved()
 
     def moved(self) -> int:
+        """Bytes moved so far, all told."""
         return self.client.bytes_pushed + self.client.bytes_pulled + \
             (self.opt.allreduce_bytes if self.opt is not None else 0)
 
     def per_push(self, pushes: int) -> dict:
+        """Compression seconds and bytes moved since this was made, per PS step of ``pushes``."""
         return {"compress_s": (self.client.compress_seconds - self.compress_s) / pushes,
                 "bytes_per_step": (self.moved() - self.bytes) / pushes}
 
@@ -771,6 +774,8 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[str], list[str]]
 
 
 def parse_args() -> argparse.Namespace:
+    """The command line (see the module's docstring); --worker and the options after it are
+    the driver's to its workers."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="*", default=["vgg"], choices=sorted(MODELS))
     ap.add_argument("--links", nargs="*", default=["1gbit", "10gbit"],

@@ -168,6 +168,7 @@ def summarise(args: argparse.Namespace, samples: dict, worker_reports: list[dict
 
 
 def render(args: argparse.Namespace, summary: dict, rows: list[str]) -> str:
+    """soak.md: the run's figures and the RSS table."""
     return "\n".join([
         f"#### Soak: {args.workers} workers x {args.servers} servers, {args.rounds} rounds of "
         f"{len(SHAPES)} keys ({args.compressor} {args.ratio} with error feedback on the 2-D ones, "

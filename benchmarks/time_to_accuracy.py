@@ -130,6 +130,7 @@ def join(system: dict, args: argparse.Namespace) -> int:
 
 
 def barrier(system: dict) -> None:
+    """Wait until every worker of the system's cluster is here."""
     if system["kind"] == "ps":
         import adtopk_ps.torch as bps
         bps.barrier()
