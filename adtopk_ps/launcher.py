@@ -138,10 +138,7 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
     as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
     then SIGKILL after ``STOP_GRACE`` seconds.
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
-    seen: set[int] = set()
-    failures: list[tuple[float, int]] = []  # (time of exit, status)
-    stop_at = term_at = kill_at = None
+    job = _Supervision(children, grace, timeout)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -149,49 +146,16 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
 
     old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while len(seen) < len(children):
+        while job.running():
             now = time.monotonic()
-            for child in [c for c in children if id(c) not in seen and c.poll() is not None]:
-                seen.add(id(child))
-                if child.code == 0 or term_at is not None:
-                    continue  # after bpslaunch stops the job, a status is its doing
-                failures.append((child.ended_at, child.code))
-                if len(failures) > 1:
-                    continue
-                if child.code == USAGE_ERROR:
-                    print(f"[bpslaunch] {child.label} exited with status 2 (a usage or "
-                          f"configuration error); stopping the others", file=sys.stderr, flush=True)
-                    term_at = now
-                elif len(seen) < len(children):
-                    print(f"[bpslaunch] {child.label} exited with status {child.code}; waiting up "
-                          f"to {grace:g} s for the others", file=sys.stderr, flush=True)
-                    stop_at = now + grace
-                else:
-                    print(f"[bpslaunch] {child.label} exited with status {child.code}",
-                          file=sys.stderr, flush=True)
-            if interrupted and term_at is None:
+            job.record_exits(now)
+            if interrupted and job.term_at is None:
                 name = signal.Signals(interrupted[0]).name
                 print(f"[bpslaunch] interrupted by {name}; stopping every role",
                       file=sys.stderr, flush=True)
-                term_at = now
-            if deadline is not None and now > deadline and not failures and term_at is None:
-                failures.append((now, 124))
-                print(f"[bpslaunch] the job ran past its {timeout:.0f} s timeout; stopping it",
-                      file=sys.stderr, flush=True)
-                stop_at = now
-            if stop_at is not None and now >= stop_at and kill_at is None:
-                for child in children:
-                    if child.poll() is None:
-                        print(f"[bpslaunch] killing {child.label}", file=sys.stderr, flush=True)
-                        child.kill()
-                kill_at = now
-            if term_at is not None and kill_at is None:
-                for child in children:
-                    child.kill(signal.SIGTERM)
-                kill_at = now + STOP_GRACE
-            if kill_at is not None and now >= kill_at:
-                for child in children:
-                    child.kill()
+                job.term_at = now
+            job.check_deadline(now)
+            job.stop_due(now)
             time.sleep(0.02)
     finally:
         for child in children:
@@ -201,7 +165,73 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
             signal.signal(s, handler)
     if interrupted:
         return 128 + interrupted[0]
-    return min(failures)[1] if failures else 0
+    return min(job.failures)[1] if job.failures else 0
+
+
+class _Supervision:
+    """What :func:`supervise` knows as the children end: which have ended, the failures (time
+    of exit, status), and when the rest are stopped: SIGKILL once the grace after a failure is
+    over (``stop_at``), or SIGTERM (``term_at``) then SIGKILL (``kill_at``)."""
+
+    def __init__(self, children: list[Child], grace: float, timeout: float | None):
+        self.children, self.grace, self.timeout = children, grace, timeout
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.seen: set[int] = set()
+        self.failures: list[tuple[float, int]] = []
+        self.stop_at: float | None = None
+        self.term_at: float | None = None
+        self.kill_at: float | None = None
+
+    def running(self) -> bool:
+        """Whether some child has not been seen to end."""
+        return len(self.seen) < len(self.children)
+
+    def record_exits(self, now: float) -> None:
+        """Note every child that ended since the last look; the first failure sets the stop."""
+        for child in [c for c in self.children if id(c) not in self.seen and c.poll() is not None]:
+            self.seen.add(id(child))
+            if child.code == 0 or self.term_at is not None:
+                continue  # after bpslaunch stops the job, a status is its doing
+            self.failures.append((child.ended_at, child.code))
+            if len(self.failures) == 1:
+                self._first_failure(child, now)
+
+    def _first_failure(self, child: Child, now: float) -> None:
+        if child.code == USAGE_ERROR:
+            print(f"[bpslaunch] {child.label} exited with status 2 (a usage or "
+                  f"configuration error); stopping the others", file=sys.stderr, flush=True)
+            self.term_at = now
+        elif self.running():
+            print(f"[bpslaunch] {child.label} exited with status {child.code}; waiting up "
+                  f"to {self.grace:g} s for the others", file=sys.stderr, flush=True)
+            self.stop_at = now + self.grace
+        else:
+            print(f"[bpslaunch] {child.label} exited with status {child.code}",
+                  file=sys.stderr, flush=True)
+
+    def check_deadline(self, now: float) -> None:
+        """Past --timeout with nothing failed: a failure of its own (124), and the stop."""
+        if self.deadline is not None and now > self.deadline and not self.failures and self.term_at is None:
+            self.failures.append((now, 124))
+            print(f"[bpslaunch] the job ran past its {self.timeout:.0f} s timeout; stopping it",
+                  file=sys.stderr, flush=True)
+            self.stop_at = now
+
+    def stop_due(self, now: float) -> None:
+        """Send whatever signal is due by ``now``."""
+        if self.stop_at is not None and now >= self.stop_at and self.kill_at is None:
+            for child in self.children:
+                if child.poll() is None:
+                    print(f"[bpslaunch] killing {child.label}", file=sys.stderr, flush=True)
+                    child.kill()
+            self.kill_at = now
+        if self.term_at is not None and self.kill_at is None:
+            for child in self.children:
+                child.kill(signal.SIGTERM)
+            self.kill_at = now + STOP_GRACE
+        if self.kill_at is not None and now >= self.kill_at:
+            for child in self.children:
+                child.kill()
 
 
 def share_cores(env: dict, workers: int) -> None:

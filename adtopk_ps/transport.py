@@ -113,14 +113,23 @@ class SchedulerLink:
                 raise ClusterError(f"gave up after {limit:.0f} s (PS_REGISTER_TIMEOUT_S): "
                                    f"{self._waiting_for()}")
             if now >= notice:
-                log.warning("%s; waiting up to %.0f s more (PS_REGISTER_TIMEOUT_S)",
-                            self._waiting_for(), limit - (now - began))
+                log.log(self._notice_level(), "%s; waiting up to %.0f s more (PS_REGISTER_TIMEOUT_S)",
+                        self._waiting_for(), limit - (now - began))
                 notice = now + WAIT_NOTICE_S[1]
             if dict(poller.poll(int(min(cfg.heartbeat_interval, 0.25) * 1000))).get(self.sock):
                 for frames in drain(self.sock):
                     self.handle(frames)
             self.tick(expect_scheduler=False)
         return self.book
+
+    def _notice_level(self) -> int:
+        """A node that registered and waits for its peers is starting as it should (servers
+        usually wait for the workers' imports): INFO where this process logs INFO (the roles,
+        the training job). Anything else, and every notice in a process that configured no
+        logging (whose silence would hide why it waits), is a WARNING."""
+        registered = self.watch.ever_connected and self.progress.get("registered") \
+            and self.progress.get("expected")
+        return logging.INFO if registered and log.isEnabledFor(logging.INFO) else logging.WARNING
 
     def _waiting_for(self) -> str:
         """What this node is waiting for, in words, naming the scheduler's address."""

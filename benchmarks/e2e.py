@@ -63,6 +63,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {
@@ -97,189 +98,295 @@ MODELS = {"vgg": ("vgg", {"hidden": 4096}, "images"),
 
 # --- one worker ------------------------------------------------------------------------
 
+# name -> (prepare, step): prepare runs untimed before each timed step
+Kinds = dict[str, tuple[Callable[[], object], Callable[[], object]]]
+
+
 def worker(args: argparse.Namespace) -> None:
+    """One worker of one system's run: its timed rounds, then worker 0 prints the RESULT line."""
     import torch
-
-    from adtopk_ps.compression.cost import synchronize
-    from worker.models import build
     torch.set_num_threads(1)
-    arch, spec, inputs = MODELS[args.model]
     system = SYSTEMS[args.system]
-    # every worker is a host of its own here (local rank 0): GPUs go round-robin by worker
-    device = torch.device("cuda", int(os.environ["DMLC_WORKER_ID"]) % torch.cuda.device_count()) \
-        if args.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # Triton's kernels and the CUDA context follow it
-    torch.manual_seed(0)
-    model = build(arch, spec).to(device)
-    twin = copy.deepcopy(model)  # for compute alone: no optimizer hooks, no DDP reducer on it
-    gen = torch.Generator().manual_seed(1)
-    if inputs == "images":
-        x, y = torch.randn(args.batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen)
-    else:
-        x = torch.randint(0, 256, (args.batch, 64), generator=gen)
-        y = torch.randint(0, 256, (args.batch, 64), generator=gen)
-    x, y = x.to(device), y.to(device)
-
-    def loss_of(net):
-        out = net(x)
-        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-    def interleaved(kinds: dict, rounds: int) -> dict[str, tuple[float, float, list[float]]]:
-        """Wall and CPU seconds (every thread of this worker) per step of each kind, and each
-        round's wall seconds, the kinds taking turns, so that this machine's drift slows them
-        alike; the order rotates every round, so that each kind follows each other kind as
-        often (in a fixed order the system's step always came right after the twin's forward
-        + backward and the step the other way right after it, and whatever the one before
-        leaves behind, caches or allocator state, fell on one kind). ``kinds``: name ->
-        (prepare, step); prepare is not timed."""
-        wall = {name: [] for name in kinds}
-        cpu = dict.fromkeys(kinds, 0.0)
-        names = list(kinds)
-        for turn in range(rounds):
-            for name in names[turn % len(names):] + names[:turn % len(names)]:
-                prepare, fn = kinds[name]
-                prepare()
-                synchronize(device)
-                started, cpu_started = time.perf_counter(), time.process_time()
-                fn()
-                synchronize(device)  # a GPU step ends when its queued kernels have run
-                wall[name].append(time.perf_counter() - started)
-                cpu[name] += time.process_time() - cpu_started
-        return {name: (sum(wall[name]) / rounds, cpu[name] / rounds, wall[name]) for name in kinds}
-
-    def local_step():
-        twin.zero_grad()
-        loss_of(twin).backward()
-
-    def nothing():
-        pass
-
+    work = Workload(args)
     # (crossing the barrier compares itself with the plain optimizer in its own rounds instead)
     paired = args.paired and system["kind"] == "ps" and not system.get("crossbarrier")
-    if paired:  # DDP's copy of the model starts from the same weights
-        ddp_model = copy.deepcopy(model)
+    ddp_twin = copy.deepcopy(work.model) if paired else None  # DDP's copy: the same weights
     if system["kind"] == "ps":
         import adtopk_ps.torch as bps
         bps.init()
-    if system["kind"] == "ddp" or paired:
+    gloo = system["kind"] == "ddp" or paired
+    if gloo:
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method=f"tcp://{args.master}",
                                 rank=int(os.environ["DMLC_WORKER_ID"]), world_size=args.workers)
-    result = {"params": sum(p.numel() for p in model.parameters())}
-    ratio = args.ratio
-
-    def ddp_step(net, hook: str):
-        """One training step of ``net`` under torch DDP on gloo, with ``hook`` on its buckets."""
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-        import adtopk_ps.torch as bps
-        # PowerSGD issues its later collectives from future callbacks; with two buckets in
-        # flight gloo can see them in different orders on different ranks ("collective
-        # mismatch"), so it gets one bucket
-        ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=1024 if hook == "powersgd" else 25)
-        if hook == "powersgd":
-            ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                          start_powerSGD_iter=2),
-                                   powersgd.powerSGD_hook)
-        elif hook == "adtopk":
-            ddp.register_comm_hook(bps.ADTopkHookState(net, {"compressor": "adtopk", "k": ratio,
-                                                             "ef": "vanilla"}), bps.adtopk_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
-
-        def step():
-            opt.zero_grad()
-            loss_of(ddp).backward()
-            opt.step()
-        return step
-
+    result = {"params": sum(p.numel() for p in work.model.parameters())}
     if system["kind"] == "ps":
-        from adtopk_ps.compression import SparsificationPolicy
-        name = system["compressor"]
-        compression = bps.GradientCompression(
-            None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
-            SparsificationPolicy(ratio if name != "none" else 1.0),
-            measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
-        client = bps.client()
-        if system.get("crossbarrier"):
-            result.update(crossbarrier(args, model, twin, loss_of, interleaved, compression, client))
-            rank = bps.rank()
-            bps.shutdown()
-            if rank == 0:
-                print("RESULT " + json.dumps(result), flush=True)
-            return
-        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                       model.named_parameters(), compression)  # overlap="auto"
-        waits: dict[str, list[float]] = {"step": [], "other": []}
-
-        def step(kind):
-            opt.zero_grad()
-            loss_of(model).backward()
-            began = time.perf_counter()
-            opt.synchronize()
-            waits[kind].append(time.perf_counter() - began)
-            with opt.skip_synchronize():
-                opt.step()
-
-        # the step trial (overlap, and with the cost model its routes against every tensor
-        # dense) chooses in steps of its own, then every kind warms up; every worker chooses
-        # at the same step
-        while opt.choosing:
-            interleaved({"step": (nothing, lambda: step("step"))}, 1)
-        chose = opt.overlap
-        kinds = {"compute": (nothing, local_step), "step": (nothing, lambda: step("step"))}
-        if system.get("measure_overlap"):  # the same steps the other way, to measure what overlap hides
-            kinds["step"] = (lambda: opt.set_overlap(chose), lambda: step("step"))
-            kinds["other"] = (lambda: opt.set_overlap(not chose), lambda: step("other"))
-        if paired:
-            kinds["ddp"] = (nothing, ddp_step(ddp_model, "none"))
-            # every kind starts with the workers in step: the lead one worker gains in a kind
-            # that does not synchronise (compute alone) is otherwise waited out by whichever
-            # step comes next, and with three kinds in rotation that is not each step as often
-            kinds = {name: (lambda prepare=prepare: (dist.barrier(), prepare()), fn)
-                     for name, (prepare, fn) in kinds.items()}
-        interleaved(kinds, args.warmup)
-        moved = lambda: client.bytes_pushed + client.bytes_pulled + opt.allreduce_bytes  # noqa: E731
-        c0, b0 = client.compress_seconds, moved()
-        times = interleaved(kinds, args.steps)
-        pushes = args.steps * len(set(kinds) - {"compute", "ddp"})  # both kinds of PS step push the same
-
-        def summary(kind: str) -> dict:
-            return {"compute_s": times["compute"][0], "step_s": times[kind][0], "cpu_s": times[kind][1],
-                    "wait_s": sum(waits[kind][-args.steps:]) / args.steps,
-                    "compress_s": (client.compress_seconds - c0) / pushes,
-                    "bytes_per_step": (moved() - b0) / pushes}
-
-        result.update(summary("step"), overlap=chose)
-        if paired:
-            result["paired"] = {"ddp_cpu_s": times["ddp"][1],
-                                "rounds": list(zip(times["step"][2], times["ddp"][2]))}
-        sizes = {name: p.numel() for name, p in model.named_parameters()}
-        dense = [name for name, route in compression.routes.items() if route.dense]
-        result["dense"] = [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]
-        cost = compression.costs
-        if cost is not None:
-            result["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element,
-                              "key_s": cost.key_s, "allreduce_bytes_per_s": compression.allreduce_bytes_per_s,
-                              "allreduce": compression.allreduce}
-        if "other" in times:
-            result["other"] = summary("other")
-        rank = bps.rank()
-        bps.shutdown()
+        rank, timed = ps_worker(args, system, work, ddp_twin)
     else:
-        rank = dist.get_rank()
-        kinds = {"compute": (nothing, local_step), "step": (nothing, ddp_step(model, system["hook"]))}
-        interleaved(kinds, args.warmup)
-        times = interleaved(kinds, args.steps)
-        result.update(compute_s=times["compute"][0], step_s=times["step"][0], cpu_s=times["step"][1])
-    if system["kind"] == "ddp" or paired:
+        rank, timed = dist.get_rank(), ddp_rounds(args, system, work)
+    result.update(timed)
+    if gloo:
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def crossbarrier(args: argparse.Namespace, model, twin, loss_of, interleaved, compression,
-                 client) -> dict:
+def worker_device(args: argparse.Namespace):
+    """Every worker is a host of its own here (local rank 0): GPUs go round-robin by worker."""
+    import torch
+    if args.device != "cuda":
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ["DMLC_WORKER_ID"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # Triton's kernels and the CUDA context follow it
+    return device
+
+
+class Workload:
+    """A worker's model, a twin of it for compute alone (no optimizer hooks, no DDP reducer on
+    it) and the one batch every step trains on, all on the worker's device."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        from worker.models import build
+        arch, spec, inputs = MODELS[args.model]
+        self.device = worker_device(args)
+        torch.manual_seed(0)
+        self.model = build(arch, spec).to(self.device)
+        self.twin = copy.deepcopy(self.model)
+        gen = torch.Generator().manual_seed(1)
+        if inputs == "images":
+            x = torch.randn(args.batch, 3, 32, 32, generator=gen)
+            y = torch.randint(0, 10, (args.batch,), generator=gen)
+        else:
+            x = torch.randint(0, 256, (args.batch, 64), generator=gen)
+            y = torch.randint(0, 256, (args.batch, 64), generator=gen)
+        self.x, self.y = x.to(self.device), y.to(self.device)
+        self._cross_entropy = torch.nn.functional.cross_entropy
+
+    def loss(self, net):
+        """``net``'s cross-entropy on the batch (tokens flattened for the transformer)."""
+        out = net(self.x)
+        return self._cross_entropy(out.reshape(-1, out.shape[-1]), self.y.reshape(-1))
+
+    def compute(self) -> None:
+        """A forward + backward alone, on the twin."""
+        self.twin.zero_grad()
+        self.loss(self.twin).backward()
+
+
+def nothing() -> None:
+    """A kind's preparation where it needs none."""
+
+
+def interleaved(kinds: Kinds, rounds: int, device) -> dict[str, tuple[float, float, list[float]]]:
+    """Wall and CPU seconds (every thread of this worker) per step of each kind, and each
+    round's wall seconds, the kinds taking turns, so that this machine's drift slows them
+    alike; the order rotates every round, so that each kind follows each other kind as
+    often (whatever the one before leaves behind, caches or allocator state, falls on no
+    kind alone). ``kinds``: name -> (prepare, step); prepare is not timed."""
+    from adtopk_ps.compression.cost import synchronize
+    wall = {name: [] for name in kinds}
+    cpu = dict.fromkeys(kinds, 0.0)
+    names = list(kinds)
+    for turn in range(rounds):
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
+            prepare, fn = kinds[name]
+            prepare()
+            synchronize(device)
+            started, cpu_started = time.perf_counter(), time.process_time()
+            fn()
+            synchronize(device)  # a GPU step ends when its queued kernels have run
+            wall[name].append(time.perf_counter() - started)
+            cpu[name] += time.process_time() - cpu_started
+    return {name: (sum(wall[name]) / rounds, cpu[name] / rounds, wall[name]) for name in kinds}
+
+
+def timing(times: dict, waits: dict[str, list[float]], kind: str, rounds: int, run: int = 1) -> dict:
+    """Seconds per step of ``kind`` (timed in runs of ``run`` steps) and of compute alone, and
+    its mean wait for answers after backward over the timed rounds."""
+    steps = rounds * run
+    return {"compute_s": times["compute"][0] / run, "step_s": times[kind][0] / run,
+            "cpu_s": times[kind][1] / run, "wait_s": sum(waits[kind][-steps:]) / steps}
+
+
+class Traffic:
+    """What the PS client compressed and what moved (pushed, pulled and, given the optimizer,
+    all-reduced) since this was made."""
+
+    def __init__(self, client, opt=None):
+        self.client, self.opt = client, opt
+        self.compress_s, self.bytes = client.compress_seconds, self.moved()
+
+    def moved(self) -> int:
+        """Bytes moved so far, all told."""
+        return self.client.bytes_pushed + self.client.bytes_pulled + \
+            (self.opt.allreduce_bytes if self.opt is not None else 0)
+
+    def per_push(self, pushes: int) -> dict:
+        """Compression seconds and bytes moved since this was made, per PS step of ``pushes``."""
+        return {"compress_s": (self.client.compress_seconds - self.compress_s) / pushes,
+                "bytes_per_step": (self.moved() - self.bytes) / pushes}
+
+
+# --- a DDP system's worker --------------------------------------------------------------
+
+def ddp_model(model, hook: str, ratio: float):
+    """``model`` under torch DDP on gloo, with ``hook`` ("none", "powersgd" or "adtopk" at
+    density ``ratio``) on its buckets."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    import adtopk_ps.torch as bps
+    # PowerSGD issues its later collectives from future callbacks; with two buckets in
+    # flight gloo can see them in different orders on different ranks ("collective
+    # mismatch"), so it gets one bucket
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if hook == "powersgd" else 25)
+    if hook == "powersgd":
+        ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                                      start_powerSGD_iter=2), powersgd.powerSGD_hook)
+    elif hook == "adtopk":
+        ddp.register_comm_hook(bps.ADTopkHookState(model, {"compressor": "adtopk", "k": ratio, "ef": "vanilla"}),
+                               bps.adtopk_hook)
+    return ddp
+
+
+def ddp_step(net, hook: str, ratio: float, work: Workload):
+    """One training step of ``net`` under torch DDP (:func:`ddp_model`)."""
+    import torch
+    ddp = ddp_model(net, hook, ratio)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+
+    def step():
+        opt.zero_grad()
+        work.loss(ddp).backward()
+        opt.step()
+    return step
+
+
+def ddp_rounds(args: argparse.Namespace, system: dict, work: Workload) -> dict:
+    """A DDP system's rounds: forward + backward alone and its step, taking turns."""
+    kinds = {"compute": (nothing, work.compute),
+             "step": (nothing, ddp_step(work.model, system["hook"], args.ratio, work))}
+    interleaved(kinds, args.warmup, work.device)
+    times = interleaved(kinds, args.steps, work.device)
+    return {"compute_s": times["compute"][0], "step_s": times["step"][0], "cpu_s": times["step"][1]}
+
+
+# --- a PS system's worker ---------------------------------------------------------------
+
+def ps_compression(system: dict, ratio: float):
+    """The PS system's gradient compression: its compressor at density ``ratio`` with error
+    feedback, under partial sparsification (dense: every tensor)."""
+    import adtopk_ps.torch as bps
+    from adtopk_ps.compression import SparsificationPolicy
+    name = system["compressor"]
+    return bps.GradientCompression(
+        None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
+        SparsificationPolicy(ratio if name != "none" else 1.0),
+        measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
+
+
+def ps_worker(args: argparse.Namespace, system: dict, work: Workload, ddp_twin) -> tuple[int, dict]:
+    """A PS system's rounds, then this worker's rank and its figures; the PS is shut down."""
+    import adtopk_ps.torch as bps
+    compression = ps_compression(system, args.ratio)
+    client = bps.client()
+    if system.get("crossbarrier"):
+        result = crossbarrier(args, work, compression, client)
+    else:
+        result = ps_rounds(args, system, work, compression, client, ddp_twin)
+    rank = bps.rank()
+    bps.shutdown()
+    return rank, result
+
+
+def ps_step(opt, work: Workload, waits: list[float], net=None):
+    """One step of the PS optimizer ``opt`` on ``net`` (the worker's model by default), its wait
+    for the answers after backward appended to ``waits``."""
+    net = work.model if net is None else net
+
+    def step():
+        opt.zero_grad()
+        work.loss(net).backward()
+        began = time.perf_counter()
+        opt.synchronize()
+        waits.append(time.perf_counter() - began)
+        with opt.skip_synchronize():
+            opt.step()
+    return step
+
+
+def ps_rounds(args: argparse.Namespace, system: dict, work: Workload, compression, client,
+              ddp_twin) -> dict:
+    """A PS system's rounds: forward + backward alone, its step and, where the system measures
+    overlap, its step the other way; with ``ddp_twin`` (--paired) a DDP dense step too."""
+    import torch
+
+    import adtopk_ps.torch as bps
+    opt = bps.DistributedOptimizer(torch.optim.SGD(work.model.parameters(), lr=0.01),
+                                   work.model.named_parameters(), compression)  # overlap="auto"
+    waits: dict[str, list[float]] = {"step": [], "other": []}
+    # the step trial (overlap, and with the cost model its routes against every tensor
+    # dense) chooses in steps of its own, then every kind warms up; every worker chooses
+    # at the same step
+    while opt.choosing:
+        interleaved({"step": (nothing, ps_step(opt, work, waits["step"]))}, 1, work.device)
+    chose = opt.overlap
+    kinds = ps_kinds(args, system, work, opt, waits, chose, ddp_twin)
+    interleaved(kinds, args.warmup, work.device)
+    traffic = Traffic(client, opt)
+    times = interleaved(kinds, args.steps, work.device)
+    pushes = args.steps * len(set(kinds) - {"compute", "ddp"})  # both kinds of PS step push the same
+
+    def summary(kind: str) -> dict:
+        return {**timing(times, waits, kind, args.steps), **traffic.per_push(pushes)}
+
+    result = {**summary("step"), "overlap": chose}
+    if ddp_twin is not None:
+        result["paired"] = {"ddp_cpu_s": times["ddp"][1],
+                            "rounds": list(zip(times["step"][2], times["ddp"][2]))}
+    result.update(routes_taken(work.model, compression))
+    if "other" in times:
+        result["other"] = summary("other")
+    return result
+
+
+def ps_kinds(args: argparse.Namespace, system: dict, work: Workload, opt, waits: dict,
+             chose: bool, ddp_twin) -> Kinds:
+    """What a PS system's rounds time: compute alone, the step the way the trial ``chose`` and,
+    where the system measures overlap, the step the other way, to measure what overlap hides;
+    with ``ddp_twin``, a DDP dense step, every kind starting with the workers in step."""
+    kinds = {"compute": (nothing, work.compute), "step": (nothing, ps_step(opt, work, waits["step"]))}
+    if system.get("measure_overlap"):
+        kinds["step"] = (lambda: opt.set_overlap(chose), kinds["step"][1])
+        kinds["other"] = (lambda: opt.set_overlap(not chose), ps_step(opt, work, waits["other"]))
+    if ddp_twin is None:
+        return kinds
+    import torch.distributed as dist
+    kinds["ddp"] = (nothing, ddp_step(ddp_twin, "none", args.ratio, work))
+    # every kind starts with the workers in step: the lead one worker gains in a kind that
+    # does not synchronise (compute alone) is otherwise waited out by whichever step comes
+    # next, and with three kinds in rotation that is not each step as often
+    return {name: (lambda prepare=prepare: (dist.barrier(), prepare()), fn)
+            for name, (prepare, fn) in kinds.items()}
+
+
+def routes_taken(model, compression) -> dict:
+    """How many tensors went dense (and their share of the parameters), and what the cost
+    model measured where it ran."""
+    sizes = {name: p.numel() for name, p in model.named_parameters()}
+    dense = [name for name, route in compression.routes.items() if route.dense]
+    out = {"dense": [len(dense), len(sizes), sum(sizes[n] for n in dense) / sum(sizes.values())]}
+    cost = compression.costs
+    if cost is not None:
+        out["cost"] = {"bytes_per_s": cost.bytes_per_s, "s_per_element": cost.compress_s_per_element,
+                       "key_s": cost.key_s, "allreduce_bytes_per_s": compression.allreduce_bytes_per_s,
+                       "allreduce": compression.allreduce}
+    return out
+
+
+def crossbarrier(args: argparse.Namespace, work: Workload, compression, client) -> dict:
     """ps-adtopk+crossbarrier's rounds: forward + backward alone, the cross-barrier step, and
     on a copy of the model the plain optimizer with overlap and without, each kind a run of
     CROSSBARRIER_RUN consecutive steps (the cross-barrier run ending by waiting for its last
@@ -287,62 +394,56 @@ def crossbarrier(args: argparse.Namespace, model, twin, loss_of, interleaved, co
     import torch
 
     import adtopk_ps.torch as bps
-    from adtopk_ps.compression import SparsificationPolicy
     from adtopk_ps.torch.cross_barrier import CrossBarrier
+    model, run = work.model, CROSSBARRIER_RUN
     base = copy.deepcopy(model)
     cb = CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.01),
                       named_parameters=model.named_parameters(), compression=compression)
     plain = bps.DistributedOptimizer(
         torch.optim.SGD(base.parameters(), lr=0.01), base.named_parameters(),
-        bps.GradientCompression({"compressor": "adtopk", "k": args.ratio, "ef": "vanilla"},
-                                SparsificationPolicy(args.ratio)), overlap=True, key_prefix="barrier.")
-    run = CROSSBARRIER_RUN
+        ps_compression(SYSTEMS["ps-adtopk"], args.ratio), overlap=True, key_prefix="barrier.")
     waits: dict[str, list[float]] = {"step": [], "barrier": [], "other": []}
-
-    def steps(net, opt, kind: str):
-        def go():
-            for _ in range(run):
-                opt.zero_grad()
-                loss_of(net).backward()
-                began = time.perf_counter()
-                if opt is cb:
-                    opt.step()
-                else:
-                    opt.synchronize()
-                    with opt.skip_synchronize():
-                        opt.step()
-                waits[kind].append(time.perf_counter() - began)
-            if opt is cb:  # the run's last updates, counted as exposed
-                began = time.perf_counter()
-                cb.synchronize()
-                waits[kind][-1] += time.perf_counter() - began
-        return go
-
-    def alone():
-        for _ in range(run):
-            twin.zero_grad()
-            loss_of(twin).backward()
-
-    kinds = {"compute": (lambda: None, alone), "step": (lambda: None, steps(model, cb, "step")),
-             "barrier": (lambda: plain.set_overlap(True), steps(base, plain, "barrier")),
-             "other": (lambda: plain.set_overlap(False), steps(base, plain, "other"))}
-    interleaved(kinds, args.warmup)
-    moved = lambda: client.bytes_pushed + client.bytes_pulled  # noqa: E731
-    c0, b0 = client.compress_seconds, moved()
-    times = interleaved(kinds, args.steps)
+    kinds = {"compute": (nothing, repeated(work.compute, run)),
+             "step": (nothing, crossing_run(cb, work, waits["step"], run)),
+             "barrier": (lambda: plain.set_overlap(True), repeated(ps_step(plain, work, waits["barrier"], base), run)),
+             "other": (lambda: plain.set_overlap(False), repeated(ps_step(plain, work, waits["other"], base), run))}
+    interleaved(kinds, args.warmup, work.device)
+    traffic = Traffic(client)
+    times = interleaved(kinds, args.steps, work.device)
     pushes = args.steps * run * 3  # the three PS kinds push the same
 
     def summary(kind: str) -> dict:
-        return {"compute_s": times["compute"][0] / run, "step_s": times[kind][0] / run,
-                "cpu_s": times[kind][1] / run, "wait_s": sum(waits[kind][-args.steps * run:]) / (args.steps * run),
-                "compress_s": (client.compress_seconds - c0) / pushes,
-                "bytes_per_step": (moved() - b0) / pushes}
+        return {**timing(times, waits, kind, args.steps, run), **traffic.per_push(pushes)}
 
     # (the routes are named by the cross-barrier's server keys, in the model's order)
     sizes = [p.numel() for p in model.parameters()]
     dense = [n for n, route in zip(sizes, compression.routes.values()) if route.dense]
     return {**summary("step"), "barrier": summary("barrier"), "other": summary("other"),
             "run": run, "dense": [len(dense), len(sizes), sum(dense) / sum(sizes)]}
+
+
+def repeated(step, times: int):
+    """``step`` ``times`` times over, as one timed turn."""
+    def run():
+        for _ in range(times):
+            step()
+    return run
+
+
+def crossing_run(cb, work: Workload, waits: list[float], run: int):
+    """``run`` steps of the cross-barrier optimizer ``cb``, then a wait for the run's last
+    updates, counted as exposed (added to the last step's wait)."""
+    def go():
+        for _ in range(run):
+            cb.zero_grad()
+            work.loss(work.model).backward()
+            began = time.perf_counter()
+            cb.step()
+            waits.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        cb.synchronize()
+        waits[-1] += time.perf_counter() - began
+    return go
 
 
 def hidden_share(overlapped: dict, without: dict) -> str:
@@ -355,46 +456,80 @@ def hidden_share(overlapped: dict, without: dict) -> str:
 
 # --- the driver ------------------------------------------------------------------------
 
-def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
+def role_names(kind: str, servers: int, workers: int) -> list[str]:
+    """The hosts a run's roles take: a PS system's scheduler and servers, then the workers."""
+    return (["scheduler"] + [f"server{i}" for i in range(servers)] if kind == "ps" else []) + \
+        [f"worker{i}" for i in range(workers)]
+
+
+def shares_one_host(net: dict) -> bool:
+    """Whether every role runs on this machine's loopback (netns.loopback), so no fixed ports."""
+    return net["scheduler"][0] is None
+
+
+def role_env(net: dict, servers: int, workers: int) -> dict[str, str]:
+    """The environment every role of a run starts with: this one less any DMLC_/BYTEPS_
+    settings, the cluster's, and this tree's packages first on the path."""
     from adtopk_ps.allocator import keep_freed_memory
     from adtopk_ps.launcher import free_port
-    from adtopk_ps.testing import netns
-    kind = SYSTEMS[system]["kind"]
-    shared = net["scheduler"][0] is None  # loopback: every role on this machine, so no fixed ports
-    workers = [f"worker{i}" for i in range(args.workers)]
-    roles = (["scheduler"] + [f"server{i}" for i in range(args.servers)] if kind == "ps" else []) + workers
+    shared = shares_one_host(net)
     # DDP's workers get the allocator settings bpslaunch gives ours, so compute costs the same
     env = keep_freed_memory({k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))})
     env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT=str(free_port() if shared else 9000),
-               DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
+               DMLC_NUM_SERVER=str(servers), DMLC_NUM_WORKER=str(workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
                # gloo's own address lookup would leave the namespace; likewise NCCL's (the hybrid
                # lane, GPU workers)
                GLOO_SOCKET_IFNAME="lo" if shared else "eth0",
-               NCCL_SOCKET_IFNAME="lo" if shared else "eth0")
+               NCCL_SOCKET_IFNAME="lo" if shared else "eth0",
+               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return env
+
+
+def master_address(net: dict) -> str:
+    """host:port of worker 0's gloo rendezvous (DDP systems, and --paired)."""
+    from adtopk_ps.launcher import free_port
+    return f"{net['worker0'][1]}:{free_port() if shares_one_host(net) else 29500}"
+
+
+def start_role(net: dict, role: str, kind: str, env: dict, job: list[str], stdout) -> subprocess.Popen:
+    """``role`` on its host, its output (stderr too) to ``stdout``: a PS system's roles under
+    bpslaunch's role mode (a worker's with ``job`` as its command), a DDP worker ``job`` alone."""
+    from adtopk_ps.testing import netns
+    role_env = {**env, "DMLC_ROLE": role.rstrip("0123456789")}
+    if role.startswith("worker"):
+        role_env["DMLC_WORKER_ID"] = role[len("worker"):]
+    argv = ([sys.executable, "-m", "adtopk_ps.launcher"] if kind == "ps" else []) + \
+        (job if role.startswith("worker") else [])
+    return netns.run_in(net[role][0], argv, role_env, stdout=stdout, stderr=subprocess.STDOUT,
+                        text=True, cwd=ROOT)
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """End every process of a run still going."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
+    """One run of ``system`` on ``model``: worker 0's RESULT; raises where a role failed."""
+    kind = SYSTEMS[system]["kind"]
+    env = role_env(net, args.servers, args.workers)
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--ratio", str(args.ratio), "--workers", str(args.workers),
-           "--master", f"{net['worker0'][1]}:{free_port() if shared else 29500}",
+           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", master_address(net),
            "--device", args.device] + \
         (["--paired"] if args.paired else [])
     procs = []
     try:
-        for role in roles:
-            role_env = {**env, "DMLC_ROLE": role.rstrip("0123456789")}
-            if role.startswith("worker"):
-                role_env["DMLC_WORKER_ID"] = role[len("worker"):]
-            argv = ([sys.executable, "-m", "adtopk_ps.launcher"] if kind == "ps" else []) + \
-                (job if role.startswith("worker") else [])
-            procs.append(netns.run_in(net[role][0], argv, role_env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+        for role in role_names(kind, args.servers, args.workers):
+            procs.append(start_role(net, role, kind, env, job, subprocess.PIPE))
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     lines = [line for out in outputs for line in out.splitlines() if "RESULT " in line]
     if any(p.returncode for p in procs) or not lines:
         raise RuntimeError(f"{system} on {model} failed:\n" + "\n".join(o[-2000:] for o in outputs))
@@ -490,83 +625,109 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
     """``trials``: every run of every system; ``results``: the fastest of each (best_of)."""
     out = []
     for (model, link, workers), by_system in results.items():
-        ddp, ps = by_system.get("ddp-dense"), by_system.get("ps-dense")
         params = next((r["params"] for r in by_system.values() if "params" in r), 0)
         out += [f"#### {model} ({params / 1e6:.1f} M params), {link}, {workers} workers x {args.servers} "
-                f"servers, batch {args.batch}", "",
-                "| system | samples/s | step ms | worker CPU ms | compute | compress | wait after backward "
-                "| exposed comm | MB per step | vs DDP dense | vs PS dense |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        rows = []
-        for system, r in by_system.items():
-            # every tensor went dense: the step trial kept that plan, or the cost model chose it
-            every = "cost" in r and r["dense"][0] == r["dense"][1]
-            rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
-                                   if "overlap" in r else ""), r))
-            if "barrier" in r:  # crossing the barrier, against the plain optimizer at it
-                rows += [(f"{system}, at the barrier with overlap", r["barrier"]),
-                         (f"{system}, at the barrier without overlap", r["other"])]
-            elif "other" in r:
-                rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
-        for system, r in rows:
-            if "error" in r:
-                out.append(f"| {system} | failed: {r['error']} ||||||||||")
-                continue
-            ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
-            mb = "-" if "bytes_per_step" not in r else f"{r['bytes_per_step'] / 1e6:.2f}"
-            out.append(f"| {system} | {workers * args.batch / r['step_s']:.1f} | {ms(r['step_s'])} | "
-                       f"{ms(r.get('cpu_s'))} | {ms(r['compute_s'])} | {ms(r.get('compress_s'))} | "
-                       f"{ms(r.get('wait_s'))} | "
-                       f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
-                       f"{speedup(ddp, r)} | {speedup(ps, r)} |")
-        chosen = by_system.get("ps-adtopk", {})
-        if "other" in chosen:
-            ov, no = (chosen, chosen["other"]) if chosen["overlap"] else (chosen["other"], chosen)
-            out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden_share(ov, no)} "
-                       f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
-                       f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
-                       f"taking turns in one run)")
-        crossing = by_system.get("ps-adtopk+crossbarrier", {})
-        if "barrier" in crossing:
-            at, no = crossing["barrier"], crossing["other"]
-            out.append(f"\nCrossing the barrier (ps-adtopk+crossbarrier): ADTopk compression + communication "
-                       f"hidden by the backward and the next forward pass: {hidden_share(crossing, no)}; by the "
-                       f"backward pass alone, at the barrier: {hidden_share(at, no)} (step "
-                       f"{1000 * crossing['step_s']:.0f} ms crossing the barrier, {1000 * at['step_s']:.0f} ms "
-                       f"with overlap at the barrier, {1000 * no['step_s']:.0f} ms without, forward + backward "
-                       f"alone {1000 * crossing['compute_s']:.0f} ms: the four taking turns in one run, in runs "
-                       f"of {crossing['run']} steps, the run crossing the barrier ending by waiting for its "
-                       f"last updates)")
-        partial = by_system.get("ps-adtopk", {}).get("dense")
-        for system, r in by_system.items():
-            if "cost" not in r:
-                continue
-            (n, total, share), cost = r["dense"], r["cost"]
-            ring = f", all-reduced among the workers at {cost['allreduce_bytes_per_s'] / 1e6:.0f} MB/s" \
-                if cost["allreduce_bytes_per_s"] else ""
-            out.append(f"\nCost model ({system}): dense push + pull measured at "
-                       f"{cost['bytes_per_s'] / 1e6:.0f} MB/s through the servers{ring}, ADTopk at "
-                       f"{1e9 * cost['s_per_element']:.1f} ns per element, one more key at "
-                       f"{1000 * cost['key_s']:.2f} ms; dense tensors went "
-                       f"{'by all-reduce' if cost['allreduce'] else 'through the servers'}; it sent "
-                       f"{n} of {total} tensors dense ({share:.1%} of the parameters)" +
-                       (f", where partial sparsification alone sends {partial[0]} ({partial[2]:.1%})"
-                        if partial else ""))
+                f"servers, batch {args.batch}", ""]
+        out += system_table(by_system, workers * args.batch)
+        out += hidden_notes(by_system)
+        out += cost_notes(by_system)
         out += trial_by_trial(trials[(model, link, workers)])
         out += paired(trials[(model, link, workers)])
         out.append("")
     if args.scaling:
-        systems = list(next(iter(results.values())))
-        out += ["#### Step time (ms) against model size and workers", "",
-                "| model | params (M) | workers | " + " | ".join(systems) + " |",
-                "|---|---:|---:|" + "---:|" * len(systems)]
-        for (model, _, workers), by_system in results.items():
-            params = next((r["params"] for r in by_system.values() if "params" in r), 0)
-            steps = [f"{1000 * by_system[s]['step_s']:.0f}" if "step_s" in by_system.get(s, {}) else "-"
-                     for s in systems]
-            out.append(f"| {model} | {params / 1e6:.1f} | {workers} | " + " | ".join(steps) + " |")
-        out.append("")
+        out += scaling_table(results)
     return "\n".join(out)
+
+
+def system_table(by_system: dict, samples_per_step: int) -> list[str]:
+    """A row of each system's fastest run (and of its step the other way, where it has one)."""
+    ddp, ps = by_system.get("ddp-dense"), by_system.get("ps-dense")
+    out = ["| system | samples/s | step ms | worker CPU ms | compute | compress | wait after backward "
+           "| exposed comm | MB per step | vs DDP dense | vs PS dense |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
+    for system, r in by_system.items():
+        # every tensor went dense: the step trial kept that plan, or the cost model chose it
+        every = "cost" in r and r["dense"][0] == r["dense"][1]
+        rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
+                               if "overlap" in r else ""), r))
+        if "barrier" in r:  # crossing the barrier, against the plain optimizer at it
+            rows += [(f"{system}, at the barrier with overlap", r["barrier"]),
+                     (f"{system}, at the barrier without overlap", r["other"])]
+        elif "other" in r:
+            rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
+    for system, r in rows:
+        if "error" in r:
+            out.append(f"| {system} | failed: {r['error']} ||||||||||")
+            continue
+        ms = lambda v: "-" if v is None else f"{1000 * v:.0f}"  # noqa: E731
+        mb = "-" if "bytes_per_step" not in r else f"{r['bytes_per_step'] / 1e6:.2f}"
+        out.append(f"| {system} | {samples_per_step / r['step_s']:.1f} | {ms(r['step_s'])} | "
+                   f"{ms(r.get('cpu_s'))} | {ms(r['compute_s'])} | {ms(r.get('compress_s'))} | "
+                   f"{ms(r.get('wait_s'))} | "
+                   f"{ms(max(0.0, r['step_s'] - r['compute_s']))} | {mb} | "
+                   f"{speedup(ddp, r)} | {speedup(ps, r)} |")
+    return out
+
+
+def hidden_notes(by_system: dict) -> list[str]:
+    """What overlap hides of ps-adtopk's communication, and what crossing the barrier hides."""
+    out = []
+    chosen = by_system.get("ps-adtopk", {})
+    if "other" in chosen:
+        ov, no = (chosen, chosen["other"]) if chosen["overlap"] else (chosen["other"], chosen)
+        out.append(f"\nADTopk compression + communication hidden by the backward pass: {hidden_share(ov, no)} "
+                   f"(step {1000 * ov['step_s']:.0f} ms with overlap, {1000 * no['step_s']:.0f} ms "
+                   f"without, forward + backward alone {1000 * ov['compute_s']:.0f} ms: the three "
+                   f"taking turns in one run)")
+    crossing = by_system.get("ps-adtopk+crossbarrier", {})
+    if "barrier" in crossing:
+        at, no = crossing["barrier"], crossing["other"]
+        out.append(f"\nCrossing the barrier (ps-adtopk+crossbarrier): ADTopk compression + communication "
+                   f"hidden by the backward and the next forward pass: {hidden_share(crossing, no)}; by the "
+                   f"backward pass alone, at the barrier: {hidden_share(at, no)} (step "
+                   f"{1000 * crossing['step_s']:.0f} ms crossing the barrier, {1000 * at['step_s']:.0f} ms "
+                   f"with overlap at the barrier, {1000 * no['step_s']:.0f} ms without, forward + backward "
+                   f"alone {1000 * crossing['compute_s']:.0f} ms: the four taking turns in one run, in runs "
+                   f"of {crossing['run']} steps, the run crossing the barrier ending by waiting for its "
+                   f"last updates)")
+    return out
+
+
+def cost_notes(by_system: dict) -> list[str]:
+    """What the cost model measured and chose, for every system that ran it."""
+    out = []
+    partial = by_system.get("ps-adtopk", {}).get("dense")
+    for system, r in by_system.items():
+        if "cost" not in r:
+            continue
+        (n, total, share), cost = r["dense"], r["cost"]
+        ring = f", all-reduced among the workers at {cost['allreduce_bytes_per_s'] / 1e6:.0f} MB/s" \
+            if cost["allreduce_bytes_per_s"] else ""
+        out.append(f"\nCost model ({system}): dense push + pull measured at "
+                   f"{cost['bytes_per_s'] / 1e6:.0f} MB/s through the servers{ring}, ADTopk at "
+                   f"{1e9 * cost['s_per_element']:.1f} ns per element, one more key at "
+                   f"{1000 * cost['key_s']:.2f} ms; dense tensors went "
+                   f"{'by all-reduce' if cost['allreduce'] else 'through the servers'}; it sent "
+                   f"{n} of {total} tensors dense ({share:.1%} of the parameters)" +
+                   (f", where partial sparsification alone sends {partial[0]} ({partial[2]:.1%})"
+                    if partial else ""))
+    return out
+
+
+def scaling_table(results: dict) -> list[str]:
+    """--scaling: every system's step against model size and workers."""
+    systems = list(next(iter(results.values())))
+    out = ["#### Step time (ms) against model size and workers", "",
+           "| model | params (M) | workers | " + " | ".join(systems) + " |",
+           "|---|---:|---:|" + "---:|" * len(systems)]
+    for (model, _, workers), by_system in results.items():
+        params = next((r["params"] for r in by_system.values() if "params" in r), 0)
+        steps = [f"{1000 * by_system[s]['step_s']:.0f}" if "step_s" in by_system.get(s, {}) else "-"
+                 for s in systems]
+        out.append(f"| {model} | {params / 1e6:.1f} | {workers} | " + " | ".join(steps) + " |")
+    out.append("")
+    return out
 
 
 def mode(overlap: bool) -> str:
@@ -612,7 +773,9 @@ def plan(args: argparse.Namespace) -> list[tuple[str, int, list[str], list[str]]
             (link, 1, ["vgg"], SCALING_SYSTEMS), (link, 4, ["vgg"], SCALING_SYSTEMS)]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line (see the module's docstring); --worker and the options after it are
+    the driver's to its workers."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="*", default=["vgg"], choices=sorted(MODELS))
     ap.add_argument("--links", nargs="*", default=["1gbit", "10gbit"],
@@ -637,37 +800,64 @@ def main() -> None:
     ap.add_argument("--system", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.worker:
         return worker(args)
     from adtopk_ps.testing import netns
-    if args.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            sys.exit("e2e benchmark: --device cuda, but torch sees no GPU here")
+    require_gpu(args.device, "e2e benchmark")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted
     why = netns.unavailable()
     if why and set(args.links) != {"loopback"}:
         sys.exit(f"e2e benchmark: {why} (--links loopback runs every role on this machine, unshaped)")
+    results = run_plan(args)
+    write_report(results, args)
+    if all("error" in r for trials in results.values() for runs in trials.values() for r in runs):
+        sys.exit("e2e benchmark: every run failed (see above)")
+
+
+def require_gpu(device: str, who: str) -> None:
+    """Exit, naming ``who``, where --device cuda was asked for and torch sees no GPU."""
+    if device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            sys.exit(f"{who}: --device cuda, but torch sees no GPU here")
+
+
+def run_plan(args: argparse.Namespace) -> dict:
+    """Every run of the plan: (model, link, workers) -> system -> its trials (a failed one is
+    {"error": its last error line}), the order flipping each trial so drift hits all alike."""
+    from adtopk_ps.testing import netns
     results: dict = {}
     for link, workers, models, systems in plan(args):
-        names = ["scheduler"] + [f"server{i}" for i in range(args.servers)] + \
-            [f"worker{i}" for i in range(workers)]
+        names = role_names("ps", args.servers, workers)
         args.workers = workers
         with netns.loopback(names) if link == "loopback" else netns.hosts(names, rate=link) as net:
             for model in models:
                 by_system = results.setdefault((model, link, workers), {s: [] for s in systems})
-                for trial in range(args.trials):  # the order flips each trial, so drift hits all alike
+                for trial in range(args.trials):
                     for system in systems if trial % 2 == 0 else systems[::-1]:
-                        try:
-                            result = run_system(net, system, model, args)
-                        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                            lines = str(exc).splitlines()
-                            result = {"error": next((ln.strip() for ln in reversed(lines) if "Error: " in ln),
-                                                    lines[0])}
-                            print(str(exc)[-3000:], file=sys.stderr, flush=True)
+                        result = run_or_error(net, system, model, args)
                         print(f"{model} {link} W={workers} {system} trial {trial}: {result}", flush=True)
                         by_system[system].append(result)
+    return results
+
+
+def run_or_error(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
+    """:func:`run_system`'s result, or {"error": the failure's last error line}."""
+    try:
+        return run_system(net, system, model, args)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        lines = str(exc).splitlines()
+        print(str(exc)[-3000:], file=sys.stderr, flush=True)
+        return {"error": next((ln.strip() for ln in reversed(lines) if "Error: " in ln), lines[0])}
+
+
+def write_report(results: dict, args: argparse.Namespace) -> None:
+    """The report and its chart under --out, named for the run; the report printed too."""
     best = best_of(results)
     text = report(results, best, args)
     out = Path(args.out)
@@ -677,8 +867,6 @@ def main() -> None:
     (out / f"{stem}.md").write_text(text + "\n")
     chart(best, results, out / f"{stem}.png")
     print(text)
-    if all("error" in r for trials in results.values() for runs in trials.values() for r in runs):
-        sys.exit("e2e benchmark: every run failed (see above)")
 
 
 if __name__ == "__main__":

@@ -104,6 +104,28 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--out", default=str(ROOT / "docs"), help="where soak.md and soak.json go")
     args = ap.parse_args()
+    samples, failed, worker_reports = soak(args)
+    if failed:
+        for name, (code, output) in failed.items():
+            print(f"--- {name} exited with {code}\n{output}", file=sys.stderr)
+        print(f"soak FAILED: {dict((name, code) for name, (code, _) in failed.items())}")
+        return 1
+    summary, rows = summarise(args, samples, worker_reports)
+    text = render(args, summary, rows)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.md").write_text(text)
+    (out / "soak.json").write_text(json.dumps({**summary, "rss": samples}, indent=1))
+    print(text)
+    if summary["grew"]:
+        print(f"soak FAILED: memory kept growing in {summary['grew']}")
+        return 1
+    return 0
+
+
+def soak(args: argparse.Namespace) -> tuple[dict, dict[str, tuple[int, str]], list[dict]]:
+    """Run every role to its end: their RSS samples, the roles that failed (name -> exit status
+    and the end of their output) and each worker's report."""
     with tempfile.TemporaryDirectory() as tmp:
         reports = Path(tmp)
         roles = start_roles(args, reports)
@@ -118,12 +140,12 @@ def main() -> int:
         outputs = {name: p.stdout.read() for name, p in roles.items() if name.startswith("worker")}
         errors = {name: p.stderr.read()[-2000:] for name, p in roles.items() if p.stderr}
         worker_reports = [json.loads(f.read_text()) for f in sorted(reports.glob("*.json"))]
-    if failed:
-        for name in failed:
-            print(f"--- {name} exited with {failed[name]}\n"
-                  f"{(outputs.get(name) or '')[-2000:]}{errors.get(name, '')}", file=sys.stderr)
-        print(f"soak FAILED: {failed}")
-        return 1
+    return samples, {name: (code, f"{(outputs.get(name) or '')[-2000:]}{errors.get(name, '')}")
+                     for name, code in failed.items()}, worker_reports
+
+
+def summarise(args: argparse.Namespace, samples: dict, worker_reports: list[dict]) -> tuple[dict, list[str]]:
+    """The run's figures, and a table row of each role's RSS over its life."""
     latencies = sorted(s for r in worker_reports for s in r["latencies_s"])
     wall = max(r["wall_s"] for r in worker_reports)
     rows, grown = [], []
@@ -142,7 +164,12 @@ def main() -> int:
         "latency_p99_ms": 1000 * latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))],
         "latency_max_ms": 1000 * latencies[-1], "every_aggregate_exact": True, "grew": grown,
     }
-    text = "\n".join([
+    return summary, rows
+
+
+def render(args: argparse.Namespace, summary: dict, rows: list[str]) -> str:
+    """soak.md: the run's figures and the RSS table."""
+    return "\n".join([
         f"#### Soak: {args.workers} workers x {args.servers} servers, {args.rounds} rounds of "
         f"{len(SHAPES)} keys ({args.compressor} {args.ratio} with error feedback on the 2-D ones, "
         f"dense on the rest), one host", "",
@@ -151,15 +178,6 @@ def main() -> int:
         f"aggregate of every worker exact.", "",
         "| role | RSS (MiB), first third of the run | middle third | last third | trend |",
         "|---|---:|---:|---:|---|", *rows, ""])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "soak.md").write_text(text)
-    (out / "soak.json").write_text(json.dumps({**summary, "rss": samples}, indent=1))
-    print(text)
-    if grown:
-        print(f"soak FAILED: memory kept growing in {grown}")
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

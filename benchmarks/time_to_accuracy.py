@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this tree's packages, not whichever an installed copy points to
 
-from e2e import SYSTEMS  # noqa: E402
+from e2e import (SYSTEMS, ddp_model, kill_all, master_address, ps_compression,  # noqa: E402
+                 require_gpu, role_env, role_names, start_role)
 # crossing the barrier leaves each step's updates to the next forward pass: not a plain loop
 RUNNABLE = [s for s in SYSTEMS if not SYSTEMS[s].get("crossbarrier")]
 DEFAULT_SYSTEMS = ["ddp-dense", "ddp-powersgd", "ps-dense", "ps-topk", "ps-adtopk", "ps-adtopk-i",
@@ -80,158 +81,165 @@ class Clock:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One worker of one system's run: trains until the target, the cap or the step limit;
+    worker 0's figures in a RESULT line from every worker."""
     import torch
-    import torch.nn.functional as F
 
-    from worker.data import Dataset, fashion_mnist
     from worker.models import VGG
     torch.set_num_threads(1)
     system = SYSTEMS[args.system]
     device = pick_device(args.device, int(os.environ["DMLC_WORKER_ID"]))
-    if system["kind"] == "ps":
-        import adtopk_ps.torch as bps
-        from adtopk_ps.compression import SparsificationPolicy
-        bps.init()
-        rank = bps.rank()  # the PS numbers its workers itself
-    else:
-        import torch.distributed as dist
-        rank = int(os.environ["DMLC_WORKER_ID"])
-        dist.init_process_group("gloo", init_method=f"tcp://{args.master}:29500", rank=rank,
-                                world_size=args.workers)
-    data = fashion_mnist(side=32, train_limit=args.train_limit, test_limit=args.test_limit) \
-        .shard(rank, args.workers)
-    data = Dataset(data.x_train.to(device), data.y_train.to(device), data.x_test.to(device),
-                   data.y_test.to(device), data.task)
+    rank = join(system, args)
+    data = load_shard(args, rank, device)
     torch.manual_seed(args.seed)
     model = VGG(channels=1, hidden=args.hidden, width=args.width).to(device)
-
-    def evaluate() -> float:
-        model.eval()
-        with torch.no_grad():
-            right = sum(int((model(x).argmax(-1) == y).sum())
-                        for x, y in zip(data.x_test.split(500), data.y_test.split(500)))
-        model.train()
-        return right / len(data.y_test)
-
-    curve = [{"step": 0, "wall_s": 0.0, "accuracy": evaluate() if rank == 0 else None}]
-    if system["kind"] == "ps":
-        bps.barrier()
-    else:
-        dist.barrier()
+    curve = [{"step": 0, "wall_s": 0.0, "accuracy": evaluate(model, data) if rank == 0 else None}]
+    barrier(system)
     clock, began, sent0 = Clock(), time.monotonic(), tx_bytes()
     clock.start()
-    sgd = dict(lr=args.lr, momentum=args.momentum)
-    if system["kind"] == "ps":
-        name = system["compressor"]
-        compression = bps.GradientCompression(
-            None if name == "none" else {"compressor": name, "k": args.ratio, "ef": "vanilla"},
-            SparsificationPolicy(args.ratio if name != "none" else 1.0),
-            measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
-        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd),
-                                       model.named_parameters(), compression)  # overlap="auto"
-        bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        net = model
-
-        def share(decision):
-            return bps.broadcast_object(decision, root_rank=0, name="tta.decision")
-    else:
-        net = ddp_model(model, system["hook"], args.ratio)
-        opt = torch.optim.SGD(net.parameters(), **sgd)
-
-        def share(decision):
-            box = [decision]
-            dist.broadcast_object_list(box, src=0)
-            return box[0]
-
+    net, opt, share = distributed(system, model, args)
     step, decision = 0, None
     while decision is None:
-        x, y = data.batch(step, args.batch, args.seed * 1000 + rank)
-        opt.zero_grad()
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        step += 1
-        if step % args.eval_every and step < args.max_steps:
-            continue
+        step = train_until_evaluation(net, opt, data, step, rank, args)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         clock.stop()
         point = {"step": step, "wall_s": clock.seconds, "sent": tx_bytes() - sent0, "accuracy": None}
         if rank == 0:
-            point["accuracy"] = evaluate()
-            if point["accuracy"] >= args.target:
-                decision = "reached"
-            elif clock.seconds >= args.cap or time.monotonic() - began >= args.cap + GRACE_S / 2:
-                decision = "cap"
-            elif step >= args.max_steps:
-                decision = "max-steps"
+            point["accuracy"] = evaluate(model, data)
+            decision = stop_or_go(point, time.monotonic() - began, args)
         curve.append(point)
         decision = share(decision)
         clock.start()
-    if system["kind"] == "ps":
-        bps.shutdown()
-    else:  # both past the last broadcast before either closes its connections (gloo aborts a
-        dist.barrier()  # process whose peer hangs up under a collective in flight)
-        dist.destroy_process_group()
+    leave(system)
     print("RESULT " + json.dumps({"rank": rank, "end": decision, "curve": curve,
                                   "params": sum(p.numel() for p in model.parameters()),
                                   "device": str(device)}), flush=True)
 
 
-def ddp_model(model, hook: str, ratio: float):
-    """``model`` under torch DDP on gloo, with ``hook`` on its buckets (as in the e2e benchmark)."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+def join(system: dict, args: argparse.Namespace) -> int:
+    """Join the system's cluster (the PS, or gloo's process group): this worker's rank."""
+    if system["kind"] == "ps":
+        import adtopk_ps.torch as bps
+        bps.init()
+        return bps.rank()  # the PS numbers its workers itself
+    import torch.distributed as dist
+    rank = int(os.environ["DMLC_WORKER_ID"])
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=rank, world_size=args.workers)
+    return rank
 
-    import adtopk_ps.torch as bps
-    # PowerSGD issues later collectives from future callbacks; with two buckets in flight gloo
-    # can see them in different orders on different ranks, so it gets one bucket
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if hook == "powersgd" else 25)
-    if hook == "powersgd":
-        ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                      start_powerSGD_iter=2), powersgd.powerSGD_hook)
-    elif hook == "adtopk":
-        ddp.register_comm_hook(bps.ADTopkHookState(model, {"compressor": "adtopk", "k": ratio, "ef": "vanilla"}),
-                               bps.adtopk_hook)
-    return ddp
+
+def barrier(system: dict) -> None:
+    """Wait until every worker of the system's cluster is here."""
+    if system["kind"] == "ps":
+        import adtopk_ps.torch as bps
+        bps.barrier()
+    else:
+        import torch.distributed as dist
+        dist.barrier()
+
+
+def leave(system: dict) -> None:
+    """Leave the cluster once every worker has its last decision."""
+    if system["kind"] == "ps":
+        import adtopk_ps.torch as bps
+        bps.shutdown()
+        return
+    import torch.distributed as dist
+    # both past the last broadcast before either closes its connections (gloo aborts a
+    # process whose peer hangs up under a collective in flight)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_shard(args: argparse.Namespace, rank: int, device):
+    """This worker's shard of Fashion-MNIST, and the test images, on ``device``."""
+    from worker.data import Dataset, fashion_mnist
+    data = fashion_mnist(side=32, train_limit=args.train_limit, test_limit=args.test_limit) \
+        .shard(rank, args.workers)
+    return Dataset(data.x_train.to(device), data.y_train.to(device), data.x_test.to(device),
+                   data.y_test.to(device), data.task)
+
+
+def evaluate(model, data) -> float:
+    """Accuracy on the test images."""
+    import torch
+    model.eval()
+    with torch.no_grad():
+        right = sum(int((model(x).argmax(-1) == y).sum())
+                    for x, y in zip(data.x_test.split(500), data.y_test.split(500)))
+    model.train()
+    return right / len(data.y_test)
+
+
+def distributed(system: dict, model, args: argparse.Namespace):
+    """The model to train (``model``, or DDP's wrapper of it), its optimizer, and how worker 0's
+    stop-or-go decision reaches every worker."""
+    import torch
+    sgd = dict(lr=args.lr, momentum=args.momentum)
+    if system["kind"] == "ps":
+        import adtopk_ps.torch as bps
+        opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), **sgd), model.named_parameters(),
+                                       ps_compression(system, args.ratio))  # overlap="auto"
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+
+        def share(decision):
+            return bps.broadcast_object(decision, root_rank=0, name="tta.decision")
+        return model, opt, share
+    import torch.distributed as dist
+    net = ddp_model(model, system["hook"], args.ratio)
+
+    def share(decision):
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return net, torch.optim.SGD(net.parameters(), **sgd), share
+
+
+def train_until_evaluation(net, opt, data, step: int, rank: int, args: argparse.Namespace) -> int:
+    """Steps from ``step`` on until the next evaluation (every --eval-every, or --max-steps):
+    the step reached."""
+    import torch.nn.functional as F
+    while True:
+        x, y = data.batch(step, args.batch, args.seed * 1000 + rank)
+        opt.zero_grad()
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        step += 1
+        if not step % args.eval_every or step >= args.max_steps:
+            return step
+
+
+def stop_or_go(point: dict, elapsed: float, args: argparse.Namespace) -> str | None:
+    """Worker 0's decision at an evaluation: why the run ends there, or None to go on."""
+    if point["accuracy"] >= args.target:
+        return "reached"
+    if point["wall_s"] >= args.cap or elapsed >= args.cap + GRACE_S / 2:
+        return "cap"
+    if point["step"] >= args.max_steps:
+        return "max-steps"
+    return None
 
 
 # --- the driver ------------------------------------------------------------------------
 
 def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
     """One system's run; a dict with "error" where it failed or overran its time limit."""
-    from adtopk_ps.allocator import keep_freed_memory
-    from adtopk_ps.testing import netns
     kind = SYSTEMS[system]["kind"]
-    workers = [f"worker{i}" for i in range(args.workers)]
-    roles = (["scheduler"] + [f"server{i}" for i in range(args.servers)] if kind == "ps" else []) + workers
-    # DDP's workers get the allocator settings bpslaunch gives ours, so compute costs the same
-    env = keep_freed_memory({k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))})
-    env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
-               DMLC_NUM_SERVER=str(args.servers), DMLC_NUM_WORKER=str(args.workers),
-               BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
-               GLOO_SOCKET_IFNAME="eth0",  # gloo's own address lookup would leave the namespace
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    job = [sys.executable, __file__, "--worker", "--system", system, "--master", net["worker0"][1],
+    roles = role_names(kind, args.servers, args.workers)
+    env = role_env(net, args.servers, args.workers)
+    job = [sys.executable, __file__, "--worker", "--system", system, "--master", master_address(net),
            *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in WORKER_ARGS)]
     limit = args.cap + GRACE_S
     procs, logs, codes = [], [], None
     with tempfile.TemporaryDirectory(prefix="tta-") as tmp:
         try:
             for role in roles:
-                role_env = {**env, "DMLC_ROLE": role.rstrip("0123456789")}
-                if role.startswith("worker"):
-                    role_env["DMLC_WORKER_ID"] = role[len("worker"):]
-                argv = ([sys.executable, "-m", "adtopk_ps.launcher"] if kind == "ps" else []) + \
-                    (job if role.startswith("worker") else [])
                 logs.append(open(Path(tmp) / f"{role}.log", "w+"))  # files: no pipe can fill and stall a role
-                procs.append(netns.run_in(net[role][0], argv, role_env, stdout=logs[-1],
-                                          stderr=subprocess.STDOUT, text=True, cwd=ROOT))
+                procs.append(start_role(net, role, kind, env, job, logs[-1]))
             codes = wait_all(procs, limit)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_all(procs)
             outputs = []
             for log in logs:
                 log.seek(0)
@@ -340,7 +348,8 @@ def chart(results: dict, args: argparse.Namespace, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The options, every numeric one checked (a bad one named, exit 2)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--systems", nargs="*", default=DEFAULT_SYSTEMS, choices=RUNNABLE)
     ap.add_argument("--link", default="1gbit", help="tc rate of every link")
@@ -369,7 +378,7 @@ def main() -> None:
     ap.add_argument("--master", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
+        return args
     for name in ("workers", "servers", "hidden", "width", "batch", "eval_every", "max_steps",
                  "train_limit", "test_limit"):
         if getattr(args, name) < 1:
@@ -380,10 +389,14 @@ def main() -> None:
     for name in ("cap", "lr"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be above 0, got {getattr(args, name)}")
-    if args.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            sys.exit("time to accuracy: --device cuda, but torch sees no GPU here")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    require_gpu(args.device, "time to accuracy")
     from adtopk_ps.testing import netns
     from worker.data import fashion_files
     fashion_files()  # a missing dataset is named before any namespace is made
@@ -392,11 +405,21 @@ def main() -> None:
     if why:
         sys.exit(f"time to accuracy: {why}")
     command = "sudo python benchmarks/time_to_accuracy.py " + shlex.join(sys.argv[1:])
-    names = ["scheduler"] + [f"server{i}" for i in range(args.servers)] + \
-        [f"worker{i}" for i in range(args.workers)]
-    results: dict = {}
     began = time.monotonic()
-    with netns.hosts(names, rate=args.link) as net:
+    results = run_all(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = report(results, args, command)
+    (out / f"{args.stem}.md").write_text(text + f"\nThe whole run took {time.monotonic() - began:.0f} s.\n")
+    chart(results, args, out / f"{args.stem}.png")
+    print(text)
+
+
+def run_all(args: argparse.Namespace) -> dict:
+    """Every system's run, one after the other on the same namespace hosts: system -> its result."""
+    from adtopk_ps.testing import netns
+    results: dict = {}
+    with netns.hosts(role_names("ps", args.servers, args.workers), rate=args.link) as net:
         for system in args.systems:
             started = time.monotonic()
             results[system] = r = run_system(net, system, args)
@@ -406,12 +429,7 @@ def main() -> None:
             if "curve" in r:
                 summary.update(last=r["curve"][-1])
             print(f"{system} ({time.monotonic() - started:.0f} s): {summary}", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = report(results, args, command)
-    (out / f"{args.stem}.md").write_text(text + f"\nThe whole run took {time.monotonic() - began:.0f} s.\n")
-    chart(results, args, out / f"{args.stem}.png")
-    print(text)
+    return results
 
 
 if __name__ == "__main__":

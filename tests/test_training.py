@@ -31,6 +31,12 @@ def test_2x2_learns_and_keeps_every_replica_identical(tmp_path):
             "compressor", "wall_s"} <= set(final)
     assert final["compressor"] == "adtopk" and final["steps"] == 60
     assert "summary: accuracy=" in result.stdout
+    assert not warnings(result.stdout), warnings(result.stdout)
+
+
+def warnings(output: str) -> list[str]:
+    """The lines of a job's output that warn: Python's warnings and log records at WARNING."""
+    return [line for line in output.splitlines() if "Warning" in line or " WARNING " in line]
 
 
 def test_dense_tensors_all_reduced_among_the_workers_train_bit_for_bit_alike(tmp_path):
@@ -91,6 +97,7 @@ def test_every_config_runs(tmp_path):
         assert result.returncode == 0, (config.name, result.stdout[-3000:])
         final = json.loads(summary.read_text())
         assert final["steps"] == 2 and final["bytes_pushed"] > 0, config.name
+        assert not warnings(result.stdout), (config.name, warnings(result.stdout))
 
 
 def test_bad_config_is_named(tmp_path):

@@ -62,8 +62,8 @@ def expected(compressors: list, grads: list[torch.Tensor], name: str, step: int,
     return total.div_(len(grads))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Push known gradients for ``--rounds`` rounds and check every sum exactly; returns the exit status."""
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line (see the module's docstring)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--compressor", default="adtopk", choices=sorted(COMPRESSORS))
     ap.add_argument("--ratio", type=float, default=0.05)
@@ -80,7 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=1, help="print a progress line every N rounds")
     ap.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps before every round")
     ap.add_argument("--slow-seconds", type=float, default=0.0)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Push known gradients for ``--rounds`` rounds and check every sum exactly; returns the exit status."""
+    args = parse_args(argv)
     shapes = [parse_shape(s) for s in args.shapes]
     dtype = DTYPES[args.dtype]
 
@@ -93,53 +98,75 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"t{i}" for i in range(len(shapes))]
     for name, shape in zip(names, shapes):
         client.declare(name, torch.empty(shape, dtype=dtype))
-    start = time.perf_counter()
-    latencies: list[float] = []
     try:
-        order = list(range(len(shapes)))
-        for rnd in range(args.rounds):
-            if rank == args.slow_rank:
-                time.sleep(args.slow_seconds)
-            if args.shuffle:
-                random.Random(rank * 7919 + rnd).shuffle(order)
-            every = {i: [gradient(shapes[i], dtype, w, rnd, i, args.seed) for w in range(size)]
-                     for i in order}
-            handles = []
-            began = time.perf_counter()
-            for i in order:
-                name, shape, grads = names[i], shapes[i], every[i]
-                # dense tensors and the 1-D ones go dense, as the policy would send them
-                comp = mine if len(shape) >= 2 else create("none")
-                handles.append((name, client.push_pull(grads[rank], name, comp), grads))
-            answers = [handle.wait() for _, handle, _ in handles]
-            latencies.append(time.perf_counter() - began)
-            for (name, _, grads), got in zip(handles, answers):
-                comps = twins if len(grads[0].shape) >= 2 else [create("none")] * size
-                want = expected(comps, grads, name, rnd, client.config.partition_bytes)
-                if not torch.equal(got, want):
-                    bad = (got != want).sum().item()
-                    print(f"worker {rank}: round {rnd} tensor {name}: {bad} of {want.numel()} "
-                          f"elements differ from the expected aggregate", flush=True)
-                    return 1
-            if (rnd + 1) % args.every == 0:
-                print(f"worker {rank}: round {rnd} ok", flush=True)
-            if args.sleep:
-                time.sleep(args.sleep)
-        wall = time.perf_counter() - start
-        client.barrier()
-        if args.report:
-            with open(args.report.format(rank=rank), "w") as f:
-                json.dump({"rank": rank, "rounds": args.rounds, "wall_s": wall,
-                           "latencies_s": latencies}, f)
-        print(f"worker {rank}: selfcheck passed: {args.rounds} rounds x {len(shapes)} tensors, "
-              f"{args.rounds / wall:.1f} rounds/s, pushed {client.bytes_pushed} B, "
-              f"pulled {client.bytes_pulled} B", flush=True)
-        return 0
+        return check_rounds(client, args, list(zip(names, shapes)), dtype, mine, twins)
     except Exception as exc:
         print(f"worker {rank}: {type(exc).__name__}: {exc}", flush=True)
         return 1
     finally:
         client.shutdown()
+
+
+def check_rounds(client: PSClient, args: argparse.Namespace, tensors: list[tuple[str, tuple[int, ...]]],
+                 dtype: torch.dtype, mine, twins: list) -> int:
+    """Every round: push ``tensors`` (name, shape), check every answer; 0 where all were exact."""
+    rank = client.rank
+    start = time.perf_counter()
+    latencies: list[float] = []
+    order = list(range(len(tensors)))
+    for rnd in range(args.rounds):
+        if rank == args.slow_rank:
+            time.sleep(args.slow_seconds)
+        if args.shuffle:
+            random.Random(rank * 7919 + rnd).shuffle(order)
+        answered, latency = push_round(client, args, [(i, *tensors[i]) for i in order], dtype, mine, rnd)
+        latencies.append(latency)
+        wrong = first_wrong(client, answered, twins, rnd)
+        if wrong:
+            print(f"worker {rank}: round {rnd} {wrong}", flush=True)
+            return 1
+        if (rnd + 1) % args.every == 0:
+            print(f"worker {rank}: round {rnd} ok", flush=True)
+        if args.sleep:
+            time.sleep(args.sleep)
+    wall = time.perf_counter() - start
+    client.barrier()
+    if args.report:
+        with open(args.report.format(rank=rank), "w") as f:
+            json.dump({"rank": rank, "rounds": args.rounds, "wall_s": wall, "latencies_s": latencies}, f)
+    print(f"worker {rank}: selfcheck passed: {args.rounds} rounds x {len(tensors)} tensors, "
+          f"{args.rounds / wall:.1f} rounds/s, pushed {client.bytes_pushed} B, "
+          f"pulled {client.bytes_pulled} B", flush=True)
+    return 0
+
+
+def push_round(client: PSClient, args: argparse.Namespace, tensors: list[tuple[int, str, tuple[int, ...]]],
+               dtype: torch.dtype, mine, rnd: int) -> tuple[list[tuple[str, list, torch.Tensor]], float]:
+    """Push this worker's gradient of every tensor (index, name, shape) in round ``rnd``, all in
+    flight at once: (name, every worker's gradient, the answer) for each, and the round's
+    latency (first push to last answer)."""
+    rank, size = client.rank, client.size
+    grads = {i: [gradient(shape, dtype, w, rnd, i, args.seed) for w in range(size)] for i, _, shape in tensors}
+    handles = []
+    began = time.perf_counter()
+    for i, name, shape in tensors:
+        # dense tensors and the 1-D ones go dense, as the policy would send them
+        comp = mine if len(shape) >= 2 else create("none")
+        handles.append((name, client.push_pull(grads[i][rank], name, comp), grads[i]))
+    answers = [handle.wait() for _, handle, _ in handles]
+    latency = time.perf_counter() - began
+    return [(name, every, got) for (name, _, every), got in zip(handles, answers)], latency
+
+
+def first_wrong(client: PSClient, answered: list, twins: list, rnd: int) -> str | None:
+    """The first answer that is not the expected aggregate, in words; None where all are."""
+    for name, grads, got in answered:
+        comps = twins if len(grads[0].shape) >= 2 else [create("none")] * client.size
+        want = expected(comps, grads, name, rnd, client.config.partition_bytes)
+        if not torch.equal(got, want):
+            bad = (got != want).sum().item()
+            return f"tensor {name}: {bad} of {want.numel()} elements differ from the expected aggregate"
+    return None
 
 
 if __name__ == "__main__":

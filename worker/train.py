@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
 from adtopk_ps.compression import SparsificationPolicy, create
@@ -110,24 +112,14 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     """Train on ``device``: the data, the model, its optimizer state and the residuals all live
     there (checkpoints are saved from the CPU and load onto whatever device this run has).
     ``dataset`` is read before joining, so that a damaged one stops this worker at once."""
-    if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
-        torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
-    torch.manual_seed(cfg["seed"])
-    bps.init()
-    rank, size = bps.rank(), bps.size()
-    print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
-    agree_on_config(cfg, device)
+    rank, size = join(cfg, device)
     data = dataset.shard(rank, size).to(device)
     model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
                                    make_compression(cfg), nonfinite=cfg["nonfinite"])
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
-    start = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
-    if start is None:
-        start = 0
-        bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        bps.broadcast_optimizer_state(opt, root_rank=0)
+    start = starting_step(args, model, opt, cfg, total)
     ckpt = checkpoint.checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
     base_lr = cfg["optimizer"].get("lr", 0.01)
     log = open(cfg["metrics"], "a") if cfg["metrics"] and rank == 0 else None
@@ -139,14 +131,8 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     for step in range(start, end):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, total, base_lr, cfg["lr_schedule"])
-        x, y = data.batch(step, batch, cfg["seed"] * 1000 + rank)
-        opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
+        loss_value = train_step(model, opt, data.batch(step, batch, cfg["seed"] * 1000 + rank))
         done += 1
-        loss_value = float(loss)
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
         if args.checksums:  # through tqdm, so the line never shares one with the bar
@@ -155,8 +141,7 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
         if log is not None and ((step + 1) % cfg["eval_every"] == 0 or last):
             record = {"step": step + 1, "loss": loss_value,
                       "samples_per_s": size * batch * done / (time.perf_counter() - began),
-                      "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
-                      "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds}
+                      **traffic(client, opt)}
             record["accuracy"], record["test_loss"] = evaluate(model, data)
             log.write(json.dumps(record) + "\n")
             log.flush()
@@ -167,15 +152,54 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     wall = time.perf_counter() - began
     accuracy, test_loss = evaluate(model, data)
     summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": end,
-               "samples_per_s": size * batch * done / wall if done else 0.0,
-               "bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
-               "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds,
+               "samples_per_s": size * batch * done / wall if done else 0.0, **traffic(client, opt),
                "compressor": opt._compression.compressor.name if opt._compression.compressor else "none",
                "wall_s": wall, "workers": size, "rank": rank, "checksum": checkpoint.parameters_digest(model)}
     if log is not None:
         log.close()
     bps.shutdown()
     return summary
+
+
+def join(cfg: dict, device: torch.device) -> tuple[int, int]:
+    """Join the cluster from ``device`` and agree on the config: this worker's rank and the
+    number of workers."""
+    if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
+        torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
+    torch.manual_seed(cfg["seed"])
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
+    agree_on_config(cfg, device)
+    return rank, size
+
+
+def starting_step(args, model: nn.Module, opt: bps.DistributedOptimizer, cfg: dict, total: int) -> int:
+    """The step this run starts at: its checkpoint's, or 0 with worker 0's parameters and
+    optimizer state on every worker."""
+    start = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
+    if start is not None:
+        return start
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(opt, root_rank=0)
+    return 0
+
+
+def train_step(model: nn.Module, opt: bps.DistributedOptimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """One step on ``batch``: its loss."""
+    x, y = batch
+    opt.zero_grad(set_to_none=True)
+    logits = model(x)
+    loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def traffic(client, opt: bps.DistributedOptimizer) -> dict:
+    """What this worker has sent and received so far, and its seconds compressing."""
+    return {"bytes_pushed": client.bytes_pushed, "bytes_pulled": client.bytes_pulled,
+            "bytes_allreduced": opt.allreduce_bytes, "compress_s": client.compress_seconds}
 
 
 def end_progress_lines() -> None:
@@ -186,6 +210,10 @@ def end_progress_lines() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m worker``: the training job; returns the exit status."""
+    # the cluster's notices at INFO, as the server and the scheduler log them; other libraries'
+    # loggers keep their own levels
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("adtopk_ps").setLevel(logging.INFO)
     stop_quietly_on_signals("worker", before=end_progress_lines)
     args = job_config.parse_args(argv)
     try:
@@ -196,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker: {exc}", file=sys.stderr)
         return 2
     try:
-        summary = train(cfg, args, device, dataset)
+        with logging_redirect_tqdm():  # a log line never shares one with the bar
+            summary = train(cfg, args, device, dataset)
     except BaseException as exc:
         end_progress_lines()  # an error never shares a line with the bar
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad

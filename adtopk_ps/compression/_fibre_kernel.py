@@ -64,6 +64,81 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
+def _load(x_ptr, g_ptr, x_at, g_at, valid, DT: tl.constexpr, FEEDBACK: tl.constexpr):
+    """The entries at ``x_at`` (0 where not ``valid``); with feedback, plus the gradient's at
+    ``g_at``."""
+    x = tl.load(x_ptr + x_at, mask=valid, other=0.0)
+    if FEEDBACK:
+        grad = tl.load(g_ptr + g_at, mask=valid, other=0.0)
+        x = _add(x, grad, DT)
+    return x
+
+
+@triton.jit
+def _select_small(key, pos, valid, tvalid, t2, k, n):
+    """k <= 2 and k < n (no tail): the largest, then the next, lower positions first.
+    (selected, slot) of the tile, then of the (empty) tail."""
+    best = tl.max(tl.max(key, 2), 1)
+    p0 = tl.min(tl.min(tl.where(key == best[:, None, None], pos, n), 2), 1)
+    first_sel = pos == p0[:, None, None]
+    key2 = tl.where(first_sel, -1, key)
+    best2 = tl.max(tl.max(key2, 2), 1)
+    p1 = tl.min(tl.min(tl.where(key2 == best2[:, None, None], pos, n), 2), 1)
+    p1 = tl.where(k >= 2, p1, -1)  # k = 1: no second
+    second_sel = pos == p1[:, None, None]
+    sel = (first_sel | second_sel) & valid
+    slot = tl.where(first_sel, 0, 1)
+    return sel, slot, tvalid, t2 * 0
+
+
+@triton.jit
+def _kth_key(key, tkey, k, BITS: tl.constexpr, FB: tl.constexpr):
+    """The k-th largest key, bit by bit from the top: the largest T with count(key >= T) >= k."""
+    kth = tl.zeros([FB], dtype=tl.int32)
+    for i in tl.static_range(BITS):
+        cand = kth | (1 << (BITS - 1 - i))
+        count = _sum2((key >= cand[:, None, None]).to(tl.int32)) + \
+            tl.sum((tkey >= cand[:, None]).to(tl.int32), 1)
+        kth = tl.where(count >= k, cand, kth)
+    return kth
+
+
+@triton.jit
+def _select_top(key, tkey, magnitude, valid, tvalid, k, g, BITS: tl.constexpr,
+                INF_KEY: tl.constexpr, FB: tl.constexpr):
+    """The k largest keys of each fibre, in the group scan's order where the tile has groups
+    and no NaN, else in position order. (selected, slot) of the tile, then of the tail."""
+    kth = _kth_key(key, tkey, k, BITS, FB)
+    kth3, kth2 = kth[:, None, None], kth[:, None]
+    above, tabove = key > kth3, tkey > kth2
+    need = k - (_sum2(above.to(tl.int32)) + tl.sum(tabove.to(tl.int32), 1))
+    nans = _sum2(((magnitude > INF_KEY) & valid).to(tl.int32))
+    by_group = (g > 1) & (nans == 0)
+    # where the k-th largest group maximum is the k-th largest entry (fewer than k entries
+    # above it), the entries equal to it fill in by position, after those above
+    fill = by_group & (tl.sum((tl.max(key, 1) >= kth[:, None]).to(tl.int32), 1) >= k)
+    tie, ttie = key == kth3, tkey == kth2
+    tie_rank, ttie_rank = _order_rank(tie, ttie, by_group & ~fill)
+    sel = above | (tie & (tie_rank < need[:, None, None]))
+    tsel = tabove | (ttie & (ttie_rank < need[:, None]))
+    sel = sel & valid
+    tsel = tsel & tvalid
+    slot, tslot = _order_rank(sel, tsel, by_group)
+    above_slot, tabove_slot = _order_rank(above & valid, tabove & tvalid, by_group)
+    fill_at = k - need
+    slot = tl.where(fill[:, None, None], tl.where(above, above_slot, fill_at[:, None, None] + tie_rank), slot)
+    tslot = tl.where(fill[:, None], tl.where(tabove, tabove_slot, fill_at[:, None] + ttie_rank), tslot)
+    return sel, slot, tsel, tslot
+
+
+@triton.jit
+def _store(v_ptr, i_ptr, x, pos, sel, out_at, IDT: tl.constexpr):
+    """The selected entries' values and positions, to ``out_at``."""
+    tl.store(v_ptr + out_at, x, mask=sel)
+    tl.store(i_ptr + out_at, pos.to(IDT), mask=sel)
+
+
+@triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, G: tl.constexpr, MB: tl.constexpr,
            TB: tl.constexpr, SMALL: tl.constexpr, FEEDBACK: tl.constexpr, W: tl.constexpr):
@@ -74,8 +149,7 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     g_ptr = tl.load(row + 1).to(tl.pointer_type(DT))
     v_ptr = tl.load(row + 2).to(tl.pointer_type(DT))
     i_ptr = tl.load(row + 3).to(tl.pointer_type(IDT))
-    n = tl.load(row + 4)
-    k = tl.load(row + 5)
+    n, k = tl.load(row + 4), tl.load(row + 5)
     R = tl.load(row + 6)
     fibres = tl.load(row + 7)
     g = tl.load(row + 8)
@@ -90,8 +164,7 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
 
     f = (pid - first) * FB + tl.arange(0, FB).to(tl.int64)
     live = f < fibres
-    a = f // R
-    j = f % R
+    a, j = f // R, f % R
 
     # the grouped tile
     r3 = tl.arange(0, G).to(tl.int64)[None, :, None]
@@ -100,10 +173,7 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     pos = r3 * m + c3
     valid = live3 & (r3 < g) & (c3 < m)
     x_at = a3 * sxa + pos * sxn + j3 * sxr
-    x = tl.load(x_ptr + x_at, mask=valid, other=0.0)
-    if FEEDBACK:
-        grad = tl.load(g_ptr + (a3 * sga + pos * sgn + j3 * sgr), mask=valid, other=0.0)
-        x = _add(x, grad, DT)
+    x = _load(x_ptr, g_ptr, x_at, a3 * sga + pos * sgn + j3 * sgr, valid, DT, FEEDBACK)
     magnitude = _magnitude(x, BITS)
     key = _key(magnitude, valid, INF_KEY)
 
@@ -113,61 +183,17 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     tpos = g * m + t2
     tvalid = live[:, None] & (tpos < n)
     tx_at = a2 * sxa + tpos * sxn + j2 * sxr
-    tx = tl.load(x_ptr + tx_at, mask=tvalid, other=0.0)
-    if FEEDBACK:
-        tgrad = tl.load(g_ptr + (a2 * sga + tpos * sgn + j2 * sgr), mask=tvalid, other=0.0)
-        tx = _add(tx, tgrad, DT)
+    tx = _load(x_ptr, g_ptr, tx_at, a2 * sga + tpos * sgn + j2 * sgr, tvalid, DT, FEEDBACK)
     tkey = _key(_magnitude(tx, BITS), tvalid, INF_KEY)
 
     if SMALL:
-        # k <= 2 and k < n (no tail): the largest, then the next, lower positions first
-        best = tl.max(tl.max(key, 2), 1)
-        p0 = tl.min(tl.min(tl.where(key == best[:, None, None], pos, n), 2), 1)
-        first_sel = pos == p0[:, None, None]
-        key2 = tl.where(first_sel, -1, key)
-        best2 = tl.max(tl.max(key2, 2), 1)
-        p1 = tl.min(tl.min(tl.where(key2 == best2[:, None, None], pos, n), 2), 1)
-        p1 = tl.where(k >= 2, p1, -1)  # k = 1: no second
-        second_sel = pos == p1[:, None, None]
-        sel = (first_sel | second_sel) & valid
-        slot = tl.where(first_sel, 0, 1)
-        tsel = tvalid  # empty: the small case has no tail
-        tslot = t2 * 0
+        sel, slot, tsel, tslot = _select_small(key, pos, valid, tvalid, t2, k, n)
     else:
-        # the k-th largest key, bit by bit from the top: the largest T with count(key >= T) >= k
-        kth = tl.zeros([FB], dtype=tl.int32)
-        for i in tl.static_range(BITS):
-            cand = kth | (1 << (BITS - 1 - i))
-            count = _sum2((key >= cand[:, None, None]).to(tl.int32)) + \
-                tl.sum((tkey >= cand[:, None]).to(tl.int32), 1)
-            kth = tl.where(count >= k, cand, kth)
-        kth3, kth2 = kth[:, None, None], kth[:, None]
-        above, tabove = key > kth3, tkey > kth2
-        need = k - (_sum2(above.to(tl.int32)) + tl.sum(tabove.to(tl.int32), 1))
-        nans = _sum2(((magnitude > INF_KEY) & valid).to(tl.int32))
-        by_group = (g > 1) & (nans == 0)
-        # where the k-th largest group maximum is the k-th largest entry (fewer than k entries
-        # above it), the entries equal to it fill in by position, after those above
-        fill = by_group & (tl.sum((tl.max(key, 1) >= kth[:, None]).to(tl.int32), 1) >= k)
-        tie, ttie = key == kth3, tkey == kth2
-        tie_rank, ttie_rank = _order_rank(tie, ttie, by_group & ~fill)
-        sel = above | (tie & (tie_rank < need[:, None, None]))
-        tsel = tabove | (ttie & (ttie_rank < need[:, None]))
-        sel = sel & valid
-        tsel = tsel & tvalid
-        slot, tslot = _order_rank(sel, tsel, by_group)
-        above_slot, tabove_slot = _order_rank(above & valid, tabove & tvalid, by_group)
-        fill_at = k - need
-        slot = tl.where(fill[:, None, None], tl.where(above, above_slot, fill_at[:, None, None] + tie_rank), slot)
-        tslot = tl.where(fill[:, None], tl.where(tabove, tabove_slot, fill_at[:, None] + ttie_rank), tslot)
+        sel, slot, tsel, tslot = _select_top(key, tkey, magnitude, valid, tvalid, k, g, BITS, INF_KEY, FB)
 
-    out_at = a3 * k * R + slot * R + j3
-    tl.store(v_ptr + out_at, x, mask=sel)
-    tl.store(i_ptr + out_at, pos.to(IDT), mask=sel)
-    tout_at = a2 * k * R + tslot * R + j2
-    tl.store(v_ptr + tout_at, tx, mask=tsel)
-    tl.store(i_ptr + tout_at, tpos.to(IDT), mask=tsel)
-    if FEEDBACK:
+    _store(v_ptr, i_ptr, x, pos, sel, a3 * k * R + slot * R + j3, IDT)
+    _store(v_ptr, i_ptr, tx, tpos, tsel, a2 * k * R + tslot * R + j2, IDT)
+    if FEEDBACK:  # the residual: zero where selected
         tl.store(x_ptr + x_at, tl.where(sel, 0.0, x), mask=valid)
         tl.store(x_ptr + tx_at, tl.where(tsel, 0.0, tx), mask=tvalid)
     bad = _sum2((sel & (key >= INF_KEY)).to(tl.int32)) + \

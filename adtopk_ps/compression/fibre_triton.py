@@ -139,42 +139,9 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
     kernel, tl = _triton()
     if not items:
         return []
-    dtype, device = items[0].x.dtype, items[0].x.device
-    layout, at = [], 0
-    for item in items:
-        x = item.x
-        if x.dtype != dtype or x.device != device or x.dtype not in DTYPES or x.dim() < 2:
-            raise ValueError(f"fibre kernel: every tensor must be {dtype} on {device} with "
-                             f"dim() >= 2, got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if item.grad is not None and (item.grad.shape, item.grad.dtype, item.grad.device) != \
-                (x.shape, x.dtype, x.device):
-            raise ValueError(f"fibre kernel: grad {tuple(item.grad.shape)} {item.grad.dtype} does "
-                             f"not match {tuple(x.shape)} {x.dtype}")
-        n = x.shape[1]
-        if not 1 <= item.k <= n:
-            raise ValueError(f"fibre kernel: k={item.k} outside [1, {n}] for {tuple(x.shape)}")
-        count = x.shape[0] * item.k * math.prod(x.shape[2:])
-        idt = index_dtype(n)
-        values_at, at = at, aligned(at + count * x.element_size())
-        indices_at, at = at, aligned(at + count * idt.itemsize)
-        layout.append((values_at, indices_at, count, idt))
-    groups: dict[tuple, list[int]] = {}
-    for i, item in enumerate(items):
-        small, g, m, tail = _config(item.x.shape[1], item.k)
-        key = (small, g, 1 << max(0, (m - 1).bit_length()), tail, layout[i][3].itemsize,
-               item.grad is not None)
-        groups.setdefault(key, []).append(i)
-    # programs are numbered across launches: item i owns flags[starts[i]:starts[i] + spans[i]]
-    launches, starts, spans, programs = [], {}, {}, 0
-    for key, members in groups.items():
-        small, g_tile, mb, tail, _, _ = key
-        fb = 1 << (max(1, _TILE // (g_tile * mb)).bit_length() - 1)
-        most = max(_fibres(items[i].x) for i in members)
-        fb = min(fb, 1 << max(0, (most - 1).bit_length()))
-        launches.append((key, members, fb, programs))
-        for i in members:
-            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // fb)
-            programs += spans[i]
+    dtype = items[0].x.dtype
+    layout, at = _lay_out(items)
+    launches, starts, spans, programs = _plan_launches(items, layout)
     flags_at = at
     total = aligned(flags_at + programs)
     buffer = stage.device_buffer(total)
@@ -194,6 +161,54 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
             _region(host, indices_at, count, idt).view(shape),
             bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any())))
     return results
+
+
+def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]], int]:
+    """Where each item's values and indices go in the stage's buffer (values at, indices at,
+    count, index dtype), and the bytes they take; items the kernel cannot take are refused."""
+    dtype, device = items[0].x.dtype, items[0].x.device
+    layout, at = [], 0
+    for item in items:
+        x = item.x
+        if x.dtype != dtype or x.device != device or x.dtype not in DTYPES or x.dim() < 2:
+            raise ValueError(f"fibre kernel: every tensor must be {dtype} on {device} with "
+                             f"dim() >= 2, got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if item.grad is not None and (item.grad.shape, item.grad.dtype, item.grad.device) != \
+                (x.shape, x.dtype, x.device):
+            raise ValueError(f"fibre kernel: grad {tuple(item.grad.shape)} {item.grad.dtype} does "
+                             f"not match {tuple(x.shape)} {x.dtype}")
+        n = x.shape[1]
+        if not 1 <= item.k <= n:
+            raise ValueError(f"fibre kernel: k={item.k} outside [1, {n}] for {tuple(x.shape)}")
+        count = x.shape[0] * item.k * math.prod(x.shape[2:])
+        idt = index_dtype(n)
+        values_at, at = at, aligned(at + count * x.element_size())
+        indices_at, at = at, aligned(at + count * idt.itemsize)
+        layout.append((values_at, indices_at, count, idt))
+    return layout, at
+
+
+def _plan_launches(items: list[Item], layout: list) -> tuple[list, dict[int, int], dict[int, int], int]:
+    """One launch per kernel configuration: (key, its items, fibres per program, its first
+    program) each; the first program and the number of programs of each item; all programs."""
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        small, g, m, tail = _config(item.x.shape[1], item.k)
+        key = (small, g, 1 << max(0, (m - 1).bit_length()), tail, layout[i][3].itemsize,
+               item.grad is not None)
+        groups.setdefault(key, []).append(i)
+    # programs are numbered across launches: item i owns flags[starts[i]:starts[i] + spans[i]]
+    launches, starts, spans, programs = [], {}, {}, 0
+    for key, members in groups.items():
+        small, g_tile, mb, tail, _, _ = key
+        fb = 1 << (max(1, _TILE // (g_tile * mb)).bit_length() - 1)
+        most = max(_fibres(items[i].x) for i in members)
+        fb = min(fb, 1 << max(0, (most - 1).bit_length()))
+        launches.append((key, members, fb, programs))
+        for i in members:
+            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // fb)
+            programs += spans[i]
+    return launches, starts, spans, programs
 
 
 def _fibres(x: torch.Tensor) -> int:
@@ -233,4 +248,5 @@ def _launch(kernel, tl, key, members, fb, items, layout, buffer, flags, stage, d
         table, len(rows), flags,
         DT=getattr(tl, _TL_OF[dtype]), IDT=getattr(tl, _TL_INDEX[index_bytes]),
         BITS=_BITS[dtype], INF_KEY=_INF_KEY[dtype], FB=fb, G=g_tile, MB=mb, TB=tail,
-        SMALL=small, FEEDBACK=feedback, W=_COLUMNS, num_warps=warps)
+        SMALL=small, FEEDBACK=feedback, W=_COLUMNS, num_warps=warps,
+        enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns

@@ -172,30 +172,58 @@ class _Distributed:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if overlap not in (True, False, "auto"):
             raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
-        in_groups = {id(p) for group in self.param_groups for p in group["params"]}
-        if named_parameters is None:
-            named = [(f"param.{i}", p) for i, p in enumerate(
-                p for group in self.param_groups for p in group["params"])]
-        else:
-            named = [(name, p) for name, p in named_parameters if id(p) in in_groups]
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            raise ValueError("named_parameters has duplicate names")
-        self._named = [(key_prefix + n, p) for n, p in named if p.requires_grad]
+        self._named = [(key_prefix + n, p) for n, p in self._names(named_parameters) if p.requires_grad]
         self._key_prefix = key_prefix
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
-        transport = self._compression.dense_transport
-        # before anything is pushed (the cost model's probes, the all-reduce rendezvous), every
-        # worker must mean to push the same things; the cost model's routes follow from these
+        self._agree_on_settings(overlap, backward_passes_per_step, summed, capacity)
+        group, lane_device = self._measure(capacity)
+        self._compression.plan(self._named)
+        self._passes_per_step = backward_passes_per_step
+        self._passes: dict[int, int] = {}
+        self._handles: dict[int, Handle | Reduction] = {}
+        self._bucket_handles: dict[str, Handle | Reduction] = {}
+        self._synchronized = False
+        self._skip = False
+        self._ps_steps = 0
+        self._capacity, self._group, self._lane_device = capacity, group, lane_device
+        self._lay_out_plans()
+        self._hooks: list = []
+        overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
+        modes = [(o, plan) for plan in range(len(self._plans)) for o in overlaps]
+        self._trial = Trial(modes, agree=_agree, describe=_describe) if len(modes) > 1 else None
+        self._hook_up(modes[0][0])
+
+    def _names(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
+        """(name, parameter) of every parameter in this optimizer's groups: ``named_parameters``'
+        names, or param.<i> in the groups' order without them. Duplicate names are refused."""
+        if named_parameters is None:
+            return [(f"param.{i}", p) for i, p in enumerate(
+                p for group in self.param_groups for p in group["params"])]
+        in_groups = {id(p) for group in self.param_groups for p in group["params"]}
+        named = [(name, p) for name, p in named_parameters if id(p) in in_groups]
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise ValueError("named_parameters has duplicate names")
+        return named
+
+    def _agree_on_settings(self, overlap: bool | str, backward_passes_per_step: int, summed: bool,
+                           capacity: int) -> None:
+        """Before anything is pushed (the cost model's probes, the all-reduce rendezvous), every
+        worker must mean to push the same things; the cost model's routes follow from these."""
         self._compression.plan(self._named)
         agree(describe(self._named, self._compression, {
-            "dense_transport": transport, "overlap": overlap,
+            "dense_transport": self._compression.dense_transport, "overlap": overlap,
             "backward_passes_per_step": backward_passes_per_step, "op": "Sum" if summed else "Average",
             "nonfinite": self._guard.policy, "measure_costs": self._compression.measure_costs,
             "fusion_bytes": capacity,
             "BYTEPS_PARTITION_BYTES": client().config.partition_bytes}, capacity), allgather_object)
+
+    def _measure(self, capacity: int) -> tuple[Group | None, torch.device]:
+        """The workers' all-reduce group where dense tensors may take it, and the device it
+        reduces on; the cost model's figures where it (or ``dense_transport="auto"``) wants them."""
+        transport = self._compression.dense_transport
         # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
         devices = [p.device for _, p in self._named]
         group = worker_group(devices) if transport == "allreduce" or transport == "auto" and \
@@ -208,28 +236,18 @@ class _Distributed:
         if self._compression.measure_costs or transport == "auto":
             self._compression.calibrate(fusion=capacity, group=group, device=device,
                                         lane_device=lane_device)
-        self._compression.plan(self._named)
-        self._passes_per_step = backward_passes_per_step
-        self._passes: dict[int, int] = {}
-        self._handles: dict[int, Handle | Reduction] = {}
-        self._bucket_handles: dict[str, Handle | Reduction] = {}
-        self._synchronized = False
-        self._skip = False
-        self._ps_steps = 0
-        self._capacity, self._group, self._lane_device = capacity, group, lane_device
-        # the cost model's routes and, to time them against (see .trial), every tensor dense
+        return group, lane_device
+
+    def _lay_out_plans(self) -> None:
+        """The cost model's routes and, to time them against (see .trial), every tensor dense:
+        each plan's buckets laid out now, none in a timed step."""
         self._plans = [self._compression.routes]
         if self._compression.measure_costs and \
                 not all(self._compression.dense(n) for n, _ in self._named):
             self._plans.append(dict.fromkeys(self._compression.routes, Route(True, 1.0)))
         self._layouts: dict[int, _Layout] = {}
-        for plan in reversed(range(len(self._plans))):  # all laid out now, none in a timed step
+        for plan in reversed(range(len(self._plans))):
             self._use_plan(plan)
-        self._hooks: list = []
-        overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
-        modes = [(o, plan) for plan in range(len(self._plans)) for o in overlaps]
-        self._trial = Trial(modes, agree=_agree, describe=_describe) if len(modes) > 1 else None
-        self._hook_up(modes[0][0])
 
     def _use_plan(self, plan: int) -> None:
         """Route by ``self._plans[plan]`` from the next gradient on (between steps only)."""
