@@ -21,10 +21,11 @@ from ..compression.cost import synchronize
 from .agreement import agree, describe
 from .compression import EveryTensor, compressor_of, is_cast
 from .dense_lane import DenseLane, Group, Reduction, check_transport, worker_group
-from .fusion import Bucket, fusion_bytes, plan_buckets
+from .fusion import fusion_bytes, plan_buckets
 from .objects import allgather_object
 from .ops import Average, averages
 from .nonfinite import NonFiniteGuard
+from .plans import Layout, Mode, Plan
 from .trial import Trial
 from .runtime import client, size
 
@@ -148,18 +149,10 @@ class GradientCompression:
             self.compressor.load_state_dict(state)
 
 
-_Layout = tuple[list[Bucket], dict[int, Bucket], DenseLane | None]
-
-
 def _agree(medians: list[float]) -> list[float]:
     """Every worker's step-trial medians, averaged: all must route alike."""
     mine = torch.tensor(medians, dtype=torch.float64)
     return client().push_pull(mine, f"step-trial.{len(medians)}").wait().tolist()
-
-
-def _describe(mode: tuple[bool, int]) -> str:
-    overlap, plan = mode
-    return f"{'overlap' if overlap else 'no overlap'}{', every tensor dense' if plan else ''}"
 
 
 class _Distributed:
@@ -191,9 +184,9 @@ class _Distributed:
         self._lay_out_plans()
         self._hooks: list = []
         overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
-        modes = [(o, plan) for plan in range(len(self._plans)) for o in overlaps]
-        self._trial = Trial(modes, agree=_agree, describe=_describe) if len(modes) > 1 else None
-        self._hook_up(modes[0][0])
+        modes = [Mode(o, plan) for plan in self._plans for o in overlaps]
+        self._trial = Trial(modes, agree=_agree, describe=str) if len(modes) > 1 else None
+        self._hook_up(modes[0].overlap)
 
     def _names(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of every parameter in this optimizer's groups: ``named_parameters``'
@@ -241,24 +234,24 @@ class _Distributed:
     def _lay_out_plans(self) -> None:
         """The cost model's routes and, to time them against (see .trial), every tensor dense:
         each plan's buckets laid out now, none in a timed step."""
-        self._plans = [self._compression.routes]
+        fused = f"{self._key_prefix}fused."
+        self._plans = [Plan(self._compression.routes, fused)]
         if self._compression.measure_costs and \
                 not all(self._compression.dense(n) for n, _ in self._named):
-            self._plans.append(dict.fromkeys(self._compression.routes, Route(True, 1.0)))
-        self._layouts: dict[int, _Layout] = {}
-        for plan in reversed(range(len(self._plans))):
+            self._plans.append(Plan(dict.fromkeys(self._compression.routes, Route(True, 1.0)),
+                                    f"{fused}1.", every_dense=True))
+        for plan in reversed(self._plans):  # (every worker lays out the same plans in one order)
             self._use_plan(plan)
 
-    def _use_plan(self, plan: int) -> None:
-        """Route by ``self._plans[plan]`` from the next gradient on (between steps only)."""
-        self._compression.routes = self._plans[plan]
-        if plan not in self._layouts:  # (every worker lays out the same plans in one order)
-            self._layouts[plan] = self._lay_out(
-                f"{self._key_prefix}fused.{plan}." if plan else f"{self._key_prefix}fused.")
-        self._buckets, self._bucket_of, self._lane = self._layouts[plan]
+    def _use_plan(self, plan: Plan) -> None:
+        """Route by ``plan`` from the next gradient on (between steps only)."""
+        self._compression.routes = plan.routes
+        if plan.layout is None:
+            plan.layout = self._lay_out(plan.prefix)
+        self._buckets, self._bucket_of, self._lane = plan.layout
         self._plan = plan
 
-    def _lay_out(self, prefix: str) -> "_Layout":
+    def _lay_out(self, prefix: str) -> Layout:
         """Buckets and the all-reduce lane for the current routes; declares what the servers
         will see."""
         dense = {name for name, _ in self._named if self._compression.dense(name)}
@@ -277,7 +270,7 @@ class _Distributed:
                 c.declare(name, p.detach())
         for bucket in buckets if lane is None else ():
             c.declare(bucket.name, bucket.buffer)
-        return buckets, bucket_of, lane
+        return Layout(buckets, bucket_of, lane)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """How many backward passes accumulate into one step from now on (horovod's; between
@@ -298,7 +291,7 @@ class _Distributed:
         """
         self._hook_up(overlap)
         if self._trial is not None and self._trial.choice is None:
-            self._use_plan(0)
+            self._use_plan(self._plans[0])
         self._trial = None
 
     @property
@@ -310,7 +303,8 @@ class _Distributed:
     def allreduce_bytes(self) -> int:
         """Bytes this worker has sent and received all-reducing dense tensors (by the ring's
         figure); what goes through the servers, the client counts."""
-        return sum(lane.bytes_moved for _, _, lane in self._layouts.values() if lane is not None)
+        return sum(plan.layout.lane.bytes_moved for plan in self._plans
+                   if plan.layout is not None and plan.layout.lane is not None)
 
     @property
     def overlap(self) -> bool:
@@ -452,11 +446,11 @@ class _Distributed:
         else:
             loss = super().step(closure)
         if self._trial is not None:
-            overlap, plan = self._trial.next_mode()
-            if plan != self._plan:
-                self._use_plan(plan)
-            if overlap != self.overlap:
-                self._hook_up(overlap)
+            mode = self._trial.next_mode()
+            if mode.plan is not self._plan:
+                self._use_plan(mode.plan)
+            if mode.overlap != self.overlap:
+                self._hook_up(mode.overlap)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

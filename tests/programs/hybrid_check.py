@@ -66,8 +66,10 @@ def main() -> None:
         print(f"worker {rank}: step {step} {digest.hexdigest()[:16]} overlap={overlap} "
               f"dense={dense} choosing={opt.choosing}", flush=True)
     if opt._trial is not None and opt._trial.choice is not None:
-        medians = " ".join(f"{m}={t:.6f}" for m, t in zip(opt._trial.modes, opt._trial.medians))
-        print(f"worker {rank}: trial medians {medians} chose {opt._trial.choice}", flush=True)
+        def mode(m):  # (overlap, 1 where every tensor goes dense)
+            return f"({m.overlap}, {int(m.plan.every_dense)})"
+        medians = " ".join(f"{mode(m)}={t:.6f}" for m, t in zip(opt._trial.modes, opt._trial.medians))
+        print(f"worker {rank}: trial medians {medians} chose {mode(opt._trial.choice)}", flush=True)
     bps.shutdown()
 
 
