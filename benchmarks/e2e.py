@@ -576,9 +576,14 @@ def trial_by_trial(by_system: dict) -> list[str]:
             "| faster (same compute) |", "|---|" + "---:|" * (n + 2), *out]
 
 
+def pooled(trials: list[dict]) -> list:
+    """--paired: one system's (PS step, DDP step) rounds, every trial's pooled."""
+    return [pair for r in trials if "paired" in r for pair in r["paired"]["rounds"]]
+
+
 def paired_speed(trials: list[dict]) -> float | None:
     """--paired: DDP dense's mean step over the PS system's, every trial's rounds pooled."""
-    pairs = [pair for r in trials if "paired" in r for pair in r["paired"]["rounds"]]
+    pairs = pooled(trials)
     return speed_of(pairs) if pairs else None
 
 
@@ -586,22 +591,51 @@ def speed_of(pairs: list) -> float:
     return statistics.mean(d for _, d in pairs) / statistics.mean(p for p, _ in pairs)
 
 
-def interval(pairs: list, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """The 5th and 95th percentiles of ``speed_of`` over rounds resampled with replacement:
-    how far the pooled ratio could move with other rounds of the same noise."""
+def interval(pairs: list, against: list | None = None, draws: int = 2000,
+             seed: int = 0) -> tuple[float, float]:
+    """The 5th and 95th percentiles of ``speed_of(pairs)`` (over ``speed_of(against)``, given
+    another system's rounds) with rounds resampled with replacement: how far the pooled ratio
+    could move with other rounds of the same noise."""
     rng = random.Random(seed)
-    speeds = sorted(speed_of(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+
+    def draw(rounds: list) -> float:
+        return speed_of(rng.choices(rounds, k=len(rounds)))
+    speeds = sorted(draw(pairs) / (draw(against) if against else 1.0) for _ in range(draws))
     return speeds[draws // 20], speeds[draws - 1 - draws // 20]
+
+
+def paired_rounds(by_system: dict) -> dict[str, list]:
+    """--paired: the pooled rounds of every system that has any."""
+    rounds = {system: pooled(trials) for system, trials in by_system.items()}
+    return {system: pairs for system, pairs in rounds.items() if pairs}
+
+
+def versus(by_system: dict) -> list[str]:
+    """--paired, every two PS systems: how many times as fast the first one's step is as the
+    second's, each system's step taken over DDP dense's in its own rounds, so that the drift
+    between the two systems' runs cancels."""
+    rounds = paired_rounds(by_system)
+    names = list(rounds)
+    out = []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            low, high = interval(rounds[a], rounds[b])
+            out.append(f"| {a} | {b} | {speed_of(rounds[a]) / speed_of(rounds[b]):.2f}x "
+                       f"[{low:.2f}, {high:.2f}] | {len(rounds[a])} + {len(rounds[b])} |")
+    if not out:
+        return []
+    return ["", "PS systems against each other: (DDP dense / A) over (DDP dense / B), ratios of means "
+            "over all rounds; above 1, A's step is the shorter", "",
+            "| A | B | A's speed over B's [90% bootstrap interval] | rounds |", "|---|---|---|---:|",
+            *out]
 
 
 def paired(by_system: dict) -> list[str]:
     """--paired: each PS system against DDP dense timed in the same processes, round by round."""
     out = []
-    for system, trials in by_system.items():
+    for system, pairs in paired_rounds(by_system).items():
+        trials = by_system[system]
         ran = [r["paired"] for r in trials if "paired" in r]
-        if not ran:
-            continue
-        pairs = [pair for r in ran for pair in r["rounds"]]
         rounds = [ddp / ps for ps, ddp in pairs]
         low, high = interval(pairs)
         by_trial = ", ".join(f"{speed_of(r['rounds']):.2f}x" for r in ran)
@@ -633,6 +667,7 @@ def report(trials: dict, results: dict, args: argparse.Namespace) -> str:
         out += cost_notes(by_system)
         out += trial_by_trial(trials[(model, link, workers)])
         out += paired(trials[(model, link, workers)])
+        out += versus(trials[(model, link, workers)])
         out.append("")
     if args.scaling:
         out += scaling_table(results)

@@ -90,6 +90,7 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
     # the trial-by-trial table: the step ratio and the same-compute ratio of the one trial
     assert re.search(r"^\| ps-adtopk \| [\d.]+x \([\d.]+x\) \| [\d.]+x \| [01] of 1 \|$", report, re.M), report
     # --paired: both PS systems also timed DDP dense in their own rounds, round by round
+    paired = {}
     for system in ("ps-adtopk", "ps-adtopk+cost", "ps-adtopk+hybrid"):
         row = re.search(rf"^\| {re.escape(system)} \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)x "
                         rf"\[([\d.]+), ([\d.]+)\] \(([\d.]+)x\) \| ([\d.]+)x \| ([012]) of 2 \|$", report, re.M)
@@ -98,6 +99,15 @@ def test_e2e_benchmark_runs_both_kinds_side_by_side(tmp_path):
         # (each side rounded to whole ms, the ratio to two decimals)
         assert float(row.group(5)) == pytest.approx(ratio, rel=0.03) and row.group(5) == row.group(8), report
         assert float(row.group(6)) <= float(row.group(5)) <= float(row.group(7)), report
+        paired[system] = float(row.group(5))
+    # every two PS systems against each other, each over DDP dense in its own rounds
+    versus = {(m.group(1), m.group(2)): m for m in re.finditer(
+        r"^\| ([\w+-]+) \| ([\w+-]+) \| ([\d.]+)x \[([\d.]+), ([\d.]+)\] \| 2 \+ 2 \|$", report, re.M)}
+    assert set(versus) == {("ps-adtopk", "ps-adtopk+cost"), ("ps-adtopk", "ps-adtopk+hybrid"),
+                           ("ps-adtopk+cost", "ps-adtopk+hybrid")}, report
+    for (a, b), m in versus.items():
+        assert float(m.group(3)) == pytest.approx(paired[a] / paired[b], rel=0.03), report
+        assert float(m.group(4)) <= float(m.group(3)) <= float(m.group(5)), report
     assert (tmp_path / "e2e-vgg-1024-paired.png").stat().st_size > 0
 
 
@@ -149,6 +159,12 @@ def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
     assert e2e.interval(noisy) == (low, high)  # seeded: the report does not move between renders
     fewer_low, fewer_high = e2e.interval(noisy[:10])
     assert fewer_high - fewer_low > high - low  # fewer rounds, less certainty
+    # one system against another: each over DDP dense in its own rounds, both resampled
+    level = [(0.6, 0.6)] * 30
+    assert e2e.interval(steady, level) == pytest.approx((1.2, 1.2))
+    low, high = e2e.interval(noisy, noisy[::-1])
+    assert low < 1 < high and e2e.interval(noisy, noisy[::-1]) == (low, high)
+    assert e2e.interval(noisy, level)[1] - e2e.interval(noisy, level)[0] < high - low
 
 
 def test_convergence_study_resumes_and_reports(tmp_path):
