@@ -217,8 +217,7 @@ IN_JOB = ("adtopk", "topk")
 def job_partitions(model: torch.nn.Module, ratio: float) -> list[tuple[str, str, slice, float]]:
     """What the job compresses each step: (layer, partition name, its rows, density) for every
     partition of every tensor the policy sends sparse, split as the client splits them."""
-    from adtopk_ps.client import part_name
-    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, partition_rows
+    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, part_name, partition_rows
     from adtopk_ps.env import env_int
     # the job's own setting, read as ClusterConfig reads it
     partition_bytes = env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1)

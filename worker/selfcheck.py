@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from adtopk_ps.client import PSClient, part_name, split
-from adtopk_ps.cluster import partition_rows
+from adtopk_ps.client import PSClient
+from adtopk_ps.cluster import part_name, partition_rows, split
 from adtopk_ps.compression import COMPRESSORS, create
 from adtopk_ps.dtypes import FLOAT_DTYPES
 
