@@ -29,6 +29,7 @@ import torch
 
 from adtopk_ps.compression import SparsificationPolicy, create, fibre_triton
 from adtopk_ps.compression.staging import Stage
+from adtopk_ps.wire.payloads import payload_buffers
 
 SHAPES = {
     "spec": [(4096, 4096), (512, 512, 3, 3)],  # (512, 512, 3, 3) is also ResNet-50's layer4
@@ -172,7 +173,7 @@ def bench_set(name: str, device: torch.device, dtype: torch.dtype, density: floa
 
     def with_feedback():  # the bytes for the wire, in host memory
         for i, g in enumerate(grads):
-            ef.compress(g, f"t{i}").buffers()
+            payload_buffers(ef.compress(g, f"t{i}"))
     row["ef_host"] = _timed_on(device, with_feedback, budget_s)
     row["batch"] = None
     if fibre_triton.applies(grads[0]):
