@@ -2,7 +2,8 @@
 
 This is ps-lite's Postoffice: everything here is derived from the DMLC/BytePS
 environment contract, so a node can be configured the same way on one host,
-by hand on several machines, or in Kubernetes pods.
+by hand on several machines, or in Kubernetes pods. A tensor's key layout (its
+partitions, their keys and the servers that own them) is byteps'.
 """
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import math
 import os
 import socket
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
+
+if TYPE_CHECKING:
+    import torch
 
 from .env import EnvError, env_int
 
@@ -162,3 +166,37 @@ def partition_rows(shape: tuple[int, ...], element_size: int, partition_bytes: i
         raise ValueError(f"a tensor of shape {shape} needs {len(blocks)} partitions of "
                          f"{partition_bytes} bytes; raise BYTEPS_PARTITION_BYTES")
     return blocks
+
+
+def split(tensor: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of a tensor's partitions (rows for 2+ dimensions, flat elements otherwise)."""
+    if tensor.dim() >= 2:
+        return [tensor.narrow(0, start, length) for start, length in blocks]
+    flat = tensor.reshape(-1)
+    return [flat.narrow(0, start, length) for start, length in blocks]
+
+
+def part_name(name: str, index: int) -> str:
+    """The name a partition's compressor state is kept under."""
+    return f"{name}#{index}"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Where a declared tensor goes: its id, the shape and dtype it was declared with, its
+    partitions as (start, length) blocks and each partition's key."""
+
+    id: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    blocks: list[tuple[int, int]]
+    keys: list[int]
+
+    @classmethod
+    def of(cls, tensor_id: int, tensor: torch.Tensor, partition_bytes: int) -> "KeyLayout":
+        """The layout of ``tensor`` declared as ``tensor_id``, in partitions of at most
+        ``partition_bytes``."""
+        shape = tuple(tensor.shape)
+        blocks = partition_rows(shape, tensor.element_size(), partition_bytes)
+        keys = [make_key(tensor_id, i) for i in range(len(blocks))]
+        return cls(tensor_id, shape, tensor.dtype, blocks, keys)

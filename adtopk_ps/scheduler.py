@@ -25,6 +25,7 @@ from .env import EnvError
 from .liveness import RECONNECT_GRACE, ConnectionTable
 from .stop import stop_quietly_on_signals
 from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
+from .wire import Op
 
 log = logging.getLogger("adtopk_ps.scheduler")
 
@@ -107,7 +108,7 @@ class Scheduler:
             counts[node.role] += 1
         return counts
 
-    def _reply(self, identity: bytes, op: str, **extra) -> None:
+    def _reply(self, identity: bytes, op: Op, **extra) -> None:
         try:
             send(self.sock, wire.encode(op, **extra), identity)
         except zmq.ZMQError as exc:  # the peer is gone; its silence will be noticed
@@ -118,24 +119,24 @@ class Scheduler:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             log.warning("dropped a malformed message from %r: %s", identity, exc)
-            self._reply(identity, "error", message=str(exc))
+            self._reply(identity, Op.ERROR, message=str(exc))
             return False
         node = self.nodes.get(identity)
         if node is not None:
             node.last_seen, node.fd = time.monotonic(), fd
-        if msg.op == "register":
+        if msg.op == Op.REGISTER:
             self._register(identity, msg, fd)
         elif node is None:
-            self._reply(identity, "error", message=f"{msg.op} from a node that never registered")
-        elif msg.op == "heartbeat":
+            self._reply(identity, Op.ERROR, message=f"{msg.op} from a node that never registered")
+        elif msg.op == Op.HEARTBEAT:
             # until the job starts, a waiting node learns who else is there
-            self._reply(identity, "heartbeat", **({} if self.started else self._progress()))
-        elif msg.op == "barrier":
+            self._reply(identity, Op.HEARTBEAT, **({} if self.started else self._progress()))
+        elif msg.op == Op.BARRIER:
             return self._barrier(node)
-        elif msg.op == "finish":
+        elif msg.op == Op.FINISH:
             return self._finish(node)
         else:
-            self._reply(identity, "error", message=f"op {msg.op!r} is not for the scheduler")
+            self._reply(identity, Op.ERROR, message=f"op {msg.op.value!r} is not for the scheduler")
         return False
 
     def _register(self, identity: bytes, msg: wire.Message, fd: int) -> None:
@@ -168,7 +169,7 @@ class Scheduler:
             problem = f"PS_SERVER_ID={wid} is taken by another server"
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
-            self._reply(identity, "error", message=problem)
+            self._reply(identity, Op.ERROR, message=problem)
             return
         address = f"tcp://{host}:{port}" if role == "server" else f"{host}"
         self.nodes[identity] = Node(identity, role, wid, address, time.monotonic(), fd)
@@ -177,7 +178,7 @@ class Scheduler:
         if counts["server"] == cfg.num_servers and counts["worker"] == cfg.num_workers:
             self._start()
         else:
-            self._reply(identity, "heartbeat", **self._progress())
+            self._reply(identity, Op.HEARTBEAT, **self._progress())
 
     def _progress(self) -> dict:
         """How many nodes of each role have registered, and how many the job needs."""
@@ -195,7 +196,7 @@ class Scheduler:
         servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
         book = [n.address for n in servers]
         for node in self.nodes.values():
-            self._reply(node.identity, "addressbook", rank=node.rank, servers=book,
+            self._reply(node.identity, Op.ADDRESSBOOK, rank=node.rank, servers=book,
                         num_workers=self.config.num_workers)
         self.started = True
         log.info("all %d node(s) registered; job started", len(self.nodes))
@@ -212,19 +213,19 @@ class Scheduler:
         if self.barrier_waiting and all(n.identity in self.barrier_waiting for n in live):
             self.barrier_seq += 1
             for identity in self.barrier_waiting:
-                self._reply(identity, "barrier_done", round=self.barrier_seq)
+                self._reply(identity, Op.BARRIER_DONE, round=self.barrier_seq)
             self.barrier_waiting.clear()
 
     def _finish(self, node: Node) -> bool:
         node.finished = True
-        self._reply(node.identity, "shutdown")
+        self._reply(node.identity, Op.SHUTDOWN)
         log.info("%s finished", node.label)
         self._release_barrier()
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
             for n in self.nodes.values():
                 if n.role == "server":
                     n.finished = True
-                    self._reply(n.identity, "shutdown")
+                    self._reply(n.identity, Op.SHUTDOWN)
             log.info("all workers finished; shutting down")
             return True
         return False
@@ -271,7 +272,7 @@ class Scheduler:
         log.error("%s; telling every node", what)
         for node in self.nodes.values():
             if node is not lost and not node.finished:
-                self._reply(node.identity, "node_lost", what=what)
+                self._reply(node.identity, Op.NODE_LOST, what=what)
         self._await_hangups(1.0, skip=lost)  # the notices leave before the socket closes
         return 1
 

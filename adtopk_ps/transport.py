@@ -20,6 +20,7 @@ from .cluster import ClusterConfig
 from .env import env_int
 from .liveness import PeerWatch
 from .security import Security, keys_from_env
+from .wire import Op
 
 log = logging.getLogger("adtopk_ps")
 
@@ -99,7 +100,7 @@ class SchedulerLink:
         """
         cfg = self.config
         wid = -1 if cfg.worker_id is None else cfg.worker_id
-        self._send("register", role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
+        self._send(Op.REGISTER, role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
                    **self._server_id)
         limit = register_timeout()
         began = time.monotonic()
@@ -152,7 +153,7 @@ class SchedulerLink:
                 f"other nodes: {have.get('worker')} of {need.get('worker')} worker(s) and "
                 f"{have.get('server')} of {need.get('server')} server(s) so far")
 
-    def _send(self, op: str, flags: int = 0, **extra) -> None:
+    def _send(self, op: Op, flags: int = 0, **extra) -> None:
         self.sock.send_multipart(wire.encode(op, sender=max(self.rank, 0), **extra), flags,
                                  copy=False)
         self._last_sent = time.monotonic()
@@ -164,18 +165,18 @@ class SchedulerLink:
         except wire.WireError as exc:
             raise ClusterError(f"malformed message from the scheduler: {exc}") from None
         self._last_heard = time.monotonic()
-        if msg.op == "heartbeat" and "registered" in msg.extra:
+        if msg.op == Op.HEARTBEAT and "registered" in msg.extra:
             self.progress = msg.extra
-        elif msg.op == "addressbook":
+        elif msg.op == Op.ADDRESSBOOK:
             self.rank = msg.extra["rank"]
             self.book = msg.extra
-        elif msg.op == "node_lost":
+        elif msg.op == Op.NODE_LOST:
             raise ClusterError(f"{msg.extra.get('what', 'a peer was lost')}; ending the job")
-        elif msg.op == "error":
+        elif msg.op == Op.ERROR:
             raise ClusterError(f"the scheduler refused this node: {msg.extra.get('message')}")
-        elif msg.op == "shutdown":
+        elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
-        elif msg.op == "barrier_done":
+        elif msg.op == Op.BARRIER_DONE:
             self.barrier_done = msg.round
         return msg
 
@@ -188,7 +189,7 @@ class SchedulerLink:
                                f"(it exited or was killed); ending the job")
         if now - self._last_sent >= self.config.heartbeat_interval and self.watch.ever_connected:
             try:  # never queued behind a dead connection: a lost one changes nothing
-                self._send("heartbeat", zmq.NOBLOCK)
+                self._send(Op.HEARTBEAT, zmq.NOBLOCK)
             except zmq.Again:
                 pass
         if expect_scheduler and now - self._last_heard > self.config.heartbeat_timeout:
@@ -198,11 +199,11 @@ class SchedulerLink:
 
     def barrier(self, seq: int) -> None:
         """Enter barrier ``seq``; the scheduler answers once every worker has entered it."""
-        self._send("barrier", round=seq)
+        self._send(Op.BARRIER, round=seq)
 
     def finish(self) -> None:
         """Tell the scheduler this node is done, so its going quiet is not a loss."""
-        self._send("finish")
+        self._send(Op.FINISH)
 
     def close(self) -> None:
         """Close the link to the scheduler."""

@@ -29,6 +29,7 @@ import torch
 
 from adtopk_ps.compression import SparsificationPolicy, create, fibre_triton
 from adtopk_ps.compression.staging import Stage
+from adtopk_ps.wire.payloads import payload_buffers
 
 SHAPES = {
     "spec": [(4096, 4096), (512, 512, 3, 3)],  # (512, 512, 3, 3) is also ResNet-50's layer4
@@ -172,7 +173,7 @@ def bench_set(name: str, device: torch.device, dtype: torch.dtype, density: floa
 
     def with_feedback():  # the bytes for the wire, in host memory
         for i, g in enumerate(grads):
-            ef.compress(g, f"t{i}").buffers()
+            payload_buffers(ef.compress(g, f"t{i}"))
     row["ef_host"] = _timed_on(device, with_feedback, budget_s)
     row["batch"] = None
     if fibre_triton.applies(grads[0]):
@@ -217,8 +218,7 @@ IN_JOB = ("adtopk", "topk")
 def job_partitions(model: torch.nn.Module, ratio: float) -> list[tuple[str, str, slice, float]]:
     """What the job compresses each step: (layer, partition name, its rows, density) for every
     partition of every tensor the policy sends sparse, split as the client splits them."""
-    from adtopk_ps.client import part_name
-    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, partition_rows
+    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, part_name, partition_rows
     from adtopk_ps.env import env_int
     # the job's own setting, read as ClusterConfig reads it
     partition_bytes = env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1)

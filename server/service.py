@@ -21,6 +21,7 @@ from adtopk_ps.compression import Compressor, create
 from adtopk_ps.env import env_int
 from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket, send
+from adtopk_ps.wire import Op
 
 from .aggregator import Aggregator, PushRejected
 
@@ -107,11 +108,11 @@ class Server:
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
             key, rnd = msg.key, msg.round
-            if msg.op not in ("push", "finish"):
-                raise PushRejected(f"op {msg.op!r} is not served here; send push or finish")
+            if msg.op not in (Op.PUSH, Op.FINISH):
+                raise PushRejected(f"op {msg.op.value!r} is not served here; send push or finish")
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
-            if msg.op == "finish":
+            if msg.op == Op.FINISH:
                 return self.on_finish(msg.sender, identity)
             if msg.key in self.dead:
                 raise PushRejected(self.dead[msg.key])
@@ -123,14 +124,14 @@ class Server:
                 key, rnd = wire.envelope(frames)
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
-            send(self.data, wire.encode("error", key=key, round=rnd, message=str(exc)), identity)
+            send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc)), identity)
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
             self.fail_if_stranded(msg.key)
             return
         flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
-        frames_out = wire.encode("result", key=msg.key, round=msg.round, payload=answer,
+        frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
                                  **({"nonfinite": flagged} if flagged else {}))
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
@@ -158,7 +159,7 @@ class Server:
                                    f"of key {key}; the round cannot complete")
         log.error("%s", reason)
         for peer in self.waiting.pop(key, []):
-            send(self.data, wire.encode("error", key=key, round=state.round, message=reason), peer)
+            send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason), peer)
 
 
 def main() -> int:

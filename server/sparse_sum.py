@@ -13,13 +13,12 @@ import math
 import torch
 
 from adtopk_ps.compression import Payload
+from adtopk_ps.dtypes import INDEX_DTYPES
 
 try:
     from . import _sparse_sum
 except ImportError:  # built without a C compiler: the aggregator's torch path does the work
     _sparse_sum = None
-
-_INDEX_DTYPES = (torch.uint8, torch.uint16, torch.int32, torch.int64)
 
 
 def applies_to(buffer: torch.Tensor) -> bool:
@@ -33,7 +32,7 @@ def applies(payload: Payload, buffer: torch.Tensor) -> bool:
     values, indices, rows = payload.values, payload.indices, payload.rows
     return (applies_to(buffer) and payload.codec in ("fibre", "coo") and values.dtype == torch.float32
             and values.device.type == "cpu" and values.is_contiguous()
-            and indices.dtype in _INDEX_DTYPES and indices.is_contiguous()
+            and indices.dtype in INDEX_DTYPES.values() and indices.is_contiguous()
             and (rows is None or (rows.dtype == torch.int64 and rows.device.type == "cpu"
                                   and rows.is_contiguous())))
 

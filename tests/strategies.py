@@ -1,4 +1,6 @@
-"""Hypothesis strategies for gradients of many shapes and dtypes."""
+"""Hypothesis strategies for gradients of many shapes and dtypes, and what the payload
+property tests share."""
+import msgpack
 import torch
 from hypothesis import strategies as st
 
@@ -27,3 +29,14 @@ def gradients(draw, shape_strategy=shapes, dtypes=DTYPES):
     if draw(st.booleans()):  # dead units: whole slices along dim 0 that are zero (or all of them)
         x[torch.rand(shape[0], generator=gen) < draw(st.sampled_from([0.3, 1.0]))] = 0
     return x.to(dtype)
+
+
+# the header fields every message has; the rest of a push's header describes its payload
+ENVELOPE = ("v", "op", "key", "round", "sender")
+
+
+def payload_nbytes(frames) -> int:
+    """The bytes of an encoded push that are its payload's: the header fields past the
+    envelope, packed alone, and every buffer (what ``Payload.nbytes`` must equal)."""
+    fields = {k: v for k, v in msgpack.unpackb(bytes(frames[0])).items() if k not in ENVELOPE}
+    return len(msgpack.packb(fields)) + sum(memoryview(f).nbytes for f in frames[1:])

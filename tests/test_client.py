@@ -18,7 +18,7 @@ def client():
 
 def test_later_layers_go_first_when_keys_queue_up(client):
     # holding the queue's lock keeps the engine from taking any job until all are queued
-    with client._lock:
+    with client._engine.lock:
         handles = [client.push_pull(torch.full((10,), float(i)), f"layer{i}") for i in range(4)]
     for h in handles:
         h.wait(30)
@@ -46,7 +46,7 @@ def test_a_compression_error_fails_every_handle_at_once():
     with roles(1, 1) as (config, _):
         c = PSClient(config)
         comp = Failing("layer0")
-        with c._lock:
+        with c._engine.lock:
             handles = [c.push_pull(torch.ones(8, 8), f"layer{i}", comp) for i in range(4)]
         with pytest.raises(ClusterError, match="engine failed: cannot compress layer0"):
             handles[0].wait(30)
@@ -79,7 +79,7 @@ def test_overlapping_pushes_of_one_name_are_refused():
 
 def test_a_refused_push_fails_its_handle_with_the_servers_reason(client):
     client.push_pull(torch.zeros(4, 4), "a").wait(10)
-    client._rounds[0] = 5  # desynchronise the key's round, as a buggy worker would
+    client._engine.rounds[0] = 5  # desynchronise the key's round, as a buggy worker would
     handle = client.push_pull(torch.zeros(4, 4), "a")
     with pytest.raises(PushPullError, match="push for round 5 of key 0, which is at round 1"):
         handle.wait(10)
@@ -112,7 +112,7 @@ def test_answers_land_in_place_averaged_for_every_codec():
 def test_the_gil_switch_interval_is_shortened_unless_turned_off():
     import sys
 
-    from adtopk_ps.client import shorten_gil_switch
+    from adtopk_ps.client_engine import shorten_gil_switch
     from adtopk_ps.env import EnvError
     before = sys.getswitchinterval()
     try:

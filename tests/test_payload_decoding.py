@@ -1,15 +1,27 @@
-"""The payload decoder checks everything before it touches memory."""
+"""The wire's payload decoder checks everything before it touches memory."""
 import msgpack
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from adtopk_ps.compression import Payload, PayloadError, create
+from adtopk_ps import wire
+from adtopk_ps.compression import PayloadError, create
+from adtopk_ps.wire.checks import payload_from_fields
+
+from strategies import ENVELOPE, payload_nbytes
+
+
+def _encode(p):
+    return [bytes(f) for f in wire.encode("push", key=3, round=1, sender=0, payload=p)]
+
+
+def _decode(frames):
+    return wire.decode(frames).payload
 
 
 def _frames(name="adtopk", shape=(6, 40), **params):
     p = create(name, **params).compress(torch.randn(shape), "w", 1)
-    return p, [bytes(f) for f in p.frames()]
+    return p, _encode(p)
 
 
 def _with_meta(frames, **changes):
@@ -30,34 +42,42 @@ def _with_meta(frames, **changes):
     ({"count": -1}, "count -1 outside"),
     ({"k": 0}, "k 0 outside"),
     ({"view": None}, "needs metadata field 'view'"),
-    ({"extra": 1}, "unknown metadata field(s) ['extra']"),
     ({"count": "6"}, "'count' must be int"),
 ])
 def test_bad_metadata_is_named(changes, words):
     _, frames = _frames()
-    with pytest.raises(PayloadError) as err:
-        Payload.from_frames(_with_meta(frames, **changes))
+    with pytest.raises(wire.WireError) as err:
+        _decode(_with_meta(frames, **changes))
     assert words in str(err.value)
+
+
+def test_unknown_payload_fields_are_named():
+    # decode hands the payload checks only the payload's fields (others are the op's);
+    # given any other, the checks name it
+    _, frames = _frames()
+    fields = {k: v for k, v in msgpack.unpackb(frames[0]).items() if k not in ENVELOPE}
+    with pytest.raises(PayloadError, match=r"unknown metadata field\(s\) \['extra'\]"):
+        payload_from_fields({**fields, "extra": 1}, frames[1:])
 
 
 def test_out_of_range_index_is_refused():
     _, frames = _frames(shape=(6, 40), ratio=0.1)
     bad = bytearray(frames[2])
     bad[3] = 40  # positions along an axis of length 40 run 0..39
-    with pytest.raises(PayloadError, match=r"index out of range: \[\d+, 40\] not within \[0, 40\)"):
-        Payload.from_frames([frames[0], frames[1], bytes(bad)])
+    with pytest.raises(wire.WireError, match=r"index out of range: \[\d+, 40\] not within \[0, 40\)"):
+        _decode([frames[0], frames[1], bytes(bad)])
 
 
 def test_truncated_and_missing_frames_are_refused():
     _, frames = _frames()
-    with pytest.raises(PayloadError, match="values frame has"):
-        Payload.from_frames([frames[0], frames[1][:-1], frames[2]])
-    with pytest.raises(PayloadError, match="needs 2 buffer"):
-        Payload.from_frames(frames[:2])
-    with pytest.raises(PayloadError, match="not msgpack"):
-        Payload.from_frames([b"\xc1", *frames[1:]])
-    with pytest.raises(PayloadError, match="must be a map"):
-        Payload.from_frames([msgpack.packb([1, 2]), *frames[1:]])
+    with pytest.raises(wire.WireError, match="values frame has"):
+        _decode([frames[0], frames[1][:-1], frames[2]])
+    with pytest.raises(wire.WireError, match="needs 2 buffer"):
+        _decode(frames[:2])
+    with pytest.raises(wire.WireError, match="not valid msgpack"):
+        _decode([b"\xc1", *frames[1:]])
+    with pytest.raises(wire.WireError, match="must be a map"):
+        _decode([msgpack.packb([1, 2]), *frames[1:]])
 
 
 def _dead_rows(shape=(40, 64), dead=range(0, 40, 3), ratio=0.05):
@@ -65,7 +85,7 @@ def _dead_rows(shape=(40, 64), dead=range(0, 40, 3), ratio=0.05):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(len(dead)))
     x[list(dead)] = 0
     p = create("adtopk", ratio=ratio).compress(x, "w", 1)
-    return x, p, [bytes(f) for f in p.frames()]
+    return x, p, _encode(p)
 
 
 def test_rows_of_zeros_are_left_out_and_named():
@@ -75,8 +95,8 @@ def test_rows_of_zeros_are_left_out_and_named():
     meta = msgpack.unpackb(frames[0])
     assert (meta["rows"], meta["rowset"], meta["count"]) == (len(live), "bitmap", len(live) * 3)
     assert frames[3] == _bitmap(live)
-    assert sum(len(f) for f in frames) == p.nbytes
-    back = Payload.from_frames(frames)
+    assert payload_nbytes(frames) == p.nbytes
+    back = _decode(frames)
     assert back.rows.tolist() == live and torch.equal(back.decompress(), p.decompress())
     assert torch.equal(back.decompress().ne(0).sum(1), torch.tensor([0 if r % 3 == 0 else 3 for r in range(40)]))
 
@@ -86,10 +106,10 @@ def test_a_few_live_rows_are_listed_and_a_payload_without_dead_rows_is_as_before
     meta = msgpack.unpackb(frames[0])
     assert (meta["rows"], meta["rowset"]) == (2, "list")  # 2 x uint8 against a 5-byte bitmap
     assert frames[3] == bytes([5, 33])
-    assert torch.equal(Payload.from_frames(frames).decompress(), p.decompress())
+    assert torch.equal(_decode(frames).decompress(), p.decompress())
     _, p, frames = _dead_rows(dead=range(40))  # every row dead: nothing but the header
     assert msgpack.unpackb(frames[0])["rows"] == 0 and [len(f) for f in frames[1:]] == [0, 0, 0]
-    assert not Payload.from_frames(frames).decompress().any()
+    assert not _decode(frames).decompress().any()
     _, p, frames = _dead_rows(dead=[])
     assert p.rows is None and len(frames) == 3 and "rows" not in msgpack.unpackb(frames[0])
 
@@ -122,8 +142,8 @@ def test_bad_row_sets_are_named(changes, row_frame, words):
         frames[3] = row_frame
         if changes.get("count") == 6:
             frames[1], frames[2] = frames[1][:24], frames[2][:6]
-    with pytest.raises(PayloadError) as err:
-        Payload.from_frames(frames)
+    with pytest.raises(wire.WireError) as err:
+        _decode(frames)
     assert words in str(err.value)
 
 
@@ -131,24 +151,24 @@ def test_bits_past_the_rows_are_refused():
     _, p, frames = _dead_rows(shape=(37, 64), dead=range(0, 37, 3))  # 5 bytes for 37 rows
     assert frames[3] == _bitmap(p.rows.tolist(), 37)
     frames[3] = frames[3][:4] + bytes([frames[3][4] | 0x40])
-    with pytest.raises(PayloadError, match="row set bitmap sets bits past its 37 rows"):
-        Payload.from_frames(frames)
+    with pytest.raises(wire.WireError, match="row set bitmap sets bits past its 37 rows"):
+        _decode(frames)
 
 
 def test_a_row_set_on_another_codec_and_a_missing_row_frame_are_refused():
     _, frames = _frames("topk", ratio=0.1)
-    with pytest.raises(PayloadError, match="codec 'coo' carries no row set"):
-        Payload.from_frames(_with_meta(frames, rows=1, rowset="list"))
+    with pytest.raises(wire.WireError, match="codec 'coo' carries no row set"):
+        _decode(_with_meta(frames, rows=1, rowset="list"))
     _, _, frames = _dead_rows()
-    with pytest.raises(PayloadError, match="with a row set needs 3 buffer"):
-        Payload.from_frames(frames[:3])
+    with pytest.raises(wire.WireError, match="with a row set needs 3 buffer"):
+        _decode(frames[:3])
     _, full = _frames("adtopk", shape=(40, 64), ratio=0.05)
-    with pytest.raises(PayloadError, match="needs 2 buffer"):
-        Payload.from_frames([*full, b"\xff" * 5])
+    with pytest.raises(wire.WireError, match="needs 2 buffer"):
+        _decode([*full, b"\xff" * 5])
 
 
 @given(st.sampled_from(["none", "topk", "adtopk", "randomk", "dead-rows"]), st.data())
-def test_mutated_frames_decode_correctly_or_raise_payload_error(name, data):
+def test_mutated_frames_decode_correctly_or_raise_wire_error(name, data):
     if name == "dead-rows":
         _, p, frames = _dead_rows(shape=(20, 30), dead=range(0, 20, 2), ratio=0.1)
     else:
@@ -166,8 +186,8 @@ def test_mutated_frames_decode_correctly_or_raise_payload_error(name, data):
             raw += data.draw(st.binary(max_size=8))
     frames[which] = bytes(raw)
     try:
-        back = Payload.from_frames(frames)
-    except PayloadError:
+        back = _decode(frames)
+    except wire.WireError:
         return
     dense = back.decompress()  # a decode that succeeds yields a usable, in-range tensor
     assert tuple(dense.shape) == back.shape
@@ -176,8 +196,8 @@ def test_mutated_frames_decode_correctly_or_raise_payload_error(name, data):
 @given(st.lists(st.binary(max_size=64), max_size=4))
 def test_random_frames_never_crash_the_decoder(frames):
     try:
-        Payload.from_frames(frames)
-    except PayloadError:
+        wire.decode(frames)
+    except wire.WireError:
         pass
 
 

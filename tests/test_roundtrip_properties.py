@@ -3,9 +3,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from adtopk_ps.compression import COMPRESSORS, ErrorFeedback, Payload, create
+from adtopk_ps import wire
+from adtopk_ps.compression import COMPRESSORS, ErrorFeedback, create
 
-from strategies import gradients, ratios
+from strategies import gradients, payload_nbytes, ratios
 
 SPARSE = sorted(n for n in COMPRESSORS if n != "none")
 ALL = sorted(COMPRESSORS)
@@ -60,9 +61,9 @@ def test_error_feedback_invariant_is_exact(name, x, ratio, value_dtype, steps):
 def test_nbytes_is_the_encoded_size_and_frames_decode_back(name, x, ratio, value_dtype):
     comp = _make(name, ratio, value_dtype)
     p = comp.compress(x, "layer", 3)
-    frames = p.frames()
-    assert sum(memoryview(f).nbytes for f in frames) == p.nbytes
-    back = Payload.from_frames([bytes(f) for f in frames])
+    frames = wire.encode("push", key=1, round=3, sender=0, payload=p)
+    assert payload_nbytes(frames) == p.nbytes
+    back = wire.decode([bytes(f) for f in frames]).payload
     assert torch.equal(back.decompress(), p.decompress())
     if value_dtype is not None:
         assert p.values.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[value_dtype]

@@ -23,12 +23,14 @@ import time
 
 import torch
 
-from adtopk_ps.client import PSClient, part_name, split
-from adtopk_ps.cluster import partition_rows
+from adtopk_ps.client import PSClient
+from adtopk_ps.cluster import part_name, partition_rows, split
 from adtopk_ps.compression import COMPRESSORS, create
+from adtopk_ps.dtypes import FLOAT_DTYPES
 
 DEFAULT_SHAPES = ["64x300", "1000", "7x3x5x5", "33x1", "1x70000", "600x1024"]
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the dtypes gradients are trained in (float64 travels too, but no model here pushes it)
+DTYPES = {name: FLOAT_DTYPES[name] for name in ("float32", "float16", "bfloat16")}
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -4,6 +4,7 @@ Compressors (what to send), error feedback (what was not sent) and the
 partial-sparsification policy (whether to sparsify at all) are separate
 pieces that compose.
 """
+from ..dtypes import index_dtype
 from .adtopk import ADTopk, ADTopkInterleaved, fibre_k
 from .base import Compressor
 from .cost import CostModel, compression_speed
@@ -11,7 +12,7 @@ from .dense import Dense
 from .dgc import DGC
 from .gaussiank import GaussianK
 from .memory import ErrorFeedback, ResidualMemory
-from .payload import Payload, PayloadError, index_dtype
+from .payload import Payload, PayloadError
 from .policy import Route, SparsificationPolicy
 from .randomk import RandomK
 from .registry import COMPRESSORS, create, parameters

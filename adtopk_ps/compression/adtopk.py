@@ -13,9 +13,10 @@ import math
 
 import torch
 
+from ..dtypes import index_dtype
 from . import fibre_triton
 from .base import Compressor, flat_of, global_k
-from .payload import Payload, index_dtype
+from .payload import Payload
 from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
 from .staging import Stage
 

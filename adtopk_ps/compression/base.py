@@ -6,15 +6,16 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from .payload import Payload, index_dtype
+from ..dtypes import FLOAT_DTYPES, index_dtype
+from .payload import Payload
 from .select import all_finite, fibre_topk_feedback
 
+#: what ``value_dtype`` may name: the 16-bit wire dtypes, by their wire names or short aliases,
+#: or None for the tensor's own dtype
 VALUE_DTYPES: dict[str | None, torch.dtype | None] = {
     None: None,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
+    **{alias: FLOAT_DTYPES[name] for alias, name in (("fp16", "float16"), ("float16", "float16"),
+                                                     ("bf16", "bfloat16"), ("bfloat16", "bfloat16"))},
 }
 
 

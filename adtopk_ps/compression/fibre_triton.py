@@ -43,7 +43,7 @@ from functools import lru_cache
 
 import torch
 
-from .payload import index_dtype
+from ..dtypes import index_dtype
 from .staging import Stage, aligned
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,20 +1,17 @@
-"""The compressed form of one tensor, and its exact byte encoding.
+"""The compressed form of one tensor: what a compressor makes and a server adds up.
 
-A payload is what a worker puts on the wire for one tensor: a small metadata
-dict (sent as msgpack) plus raw little-endian buffers for values and indices.
-Keeping the encoding here means ``Payload.nbytes`` is the real wire cost, and
-the same ``accumulate_into`` serves decompression, error feedback and
-server-side aggregation.
+A payload holds its codec, the shape and dtype of the tensor it stands for, and
+the values (and positions) it carries. The same ``accumulate_into`` serves
+decompression, error feedback and server-side aggregation. How a payload goes
+on the wire, and the checks on one that came from a peer, are the wire
+package's (adtopk_ps/wire/payloads.py and checks.py).
 """
 from __future__ import annotations
 
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Sequence
 
-import msgpack
-import numpy as np
 import torch
 
 from .seeded import seeded_indices
@@ -24,59 +21,15 @@ from .seeded import seeded_indices
 #:  fibre  - ``values``/``indices`` of shape ``[view[0], k, *view[2:]]``, indices
 #:           are positions along axis 1 of ``view`` (ADTopk). Where some rows
 #:           ``view[0]`` selected only zeros (dead units), ``rows`` lists the rows
-#:           carried and the shape is ``[rows, k, *view[2:]]``; a third frame
-#:           names them, as a bitmap or a list (see ``ROW_SETS``)
+#:           carried and the shape is ``[rows, k, *view[2:]]`` (on the wire, a third
+#:           frame names them: see adtopk_ps/wire/payloads.py)
 #:  coo    - flat positions into the tensor and their values
 #:  seeded - values only; positions are regenerated from ``seed`` (random-k, see seeded.py)
 CODECS = ("dense", "fibre", "coo", "seeded")
 
-#: How a fibre payload's third frame names the rows it carries, whichever is smaller:
-#:  bitmap - ceil(view[0] / 8) bytes, row r at bit r % 8 (least significant first) of
-#:           byte r // 8; the bits past view[0] are zero
-#:  list   - the rows in increasing order, in ``index_dtype(view[0])``
-ROW_SETS = ("bitmap", "list")
-
-#: dtypes allowed on the wire, by name.
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
-INDEX_DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
-_NAME_OF = {v: k for k, v in {**DTYPES, **INDEX_DTYPES}.items()}
-
 
 class PayloadError(ValueError):
     """A payload (or its frames) is malformed; the message says how."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The wire name of ``dtype``; a dtype the wire does not carry raises ``PayloadError``."""
-    try:
-        return _NAME_OF[dtype]
-    except KeyError:
-        raise PayloadError(f"dtype {dtype} is not supported; valid: {sorted(DTYPES)}") from None
-
-
-def index_dtype(length: int) -> torch.dtype:
-    """Smallest index type holding positions ``0 .. length-1``.
-
-    Unsigned 8/16-bit first (what makes ADTopk messages compact), then the
-    signed 32/64-bit types that torch can index with.
-    """
-    if length <= 1 << 8:
-        return torch.uint8
-    if length <= 1 << 16:
-        return torch.uint16
-    if length <= 1 << 31:
-        return torch.int32
-    return torch.int64
 
 
 def seed_for(name: str, step: int, base: int = 0) -> int:
@@ -102,7 +55,7 @@ class Payload:
     # carries it as a header flag)
     nonfinite: bool = field(default=False, compare=False)
     # values and indices already copied to host memory (the CUDA kernel's pinned buffer), which
-    # buffers() hands out instead of staging them again
+    # the wire sends instead of staging them again
     host: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
@@ -115,117 +68,11 @@ class Payload:
         """Number of values carried."""
         return self.values.numel()
 
-    def meta(self) -> dict:
-        """The msgpack-able description of this payload (no tensor data)."""
-        meta: dict = {
-            "codec": self.codec,
-            "shape": list(self.shape),
-            "dtype": dtype_name(self.dtype),
-            "vdtype": dtype_name(self.values.dtype),
-            "count": self.count,
-        }
-        if self.indices is not None:
-            meta["idtype"] = dtype_name(self.indices.dtype)
-        if self.view is not None:
-            meta["view"] = list(self.view)
-            meta["k"] = self.values.shape[1]
-        if self.rows is not None:
-            meta["rows"] = self.rows.numel()
-            meta["rowset"] = self._row_set()
-        if self.seed is not None:
-            meta["seed"] = self.seed
-        return meta
-
     @property
     def nbytes(self) -> int:
-        """Exact bytes this payload puts on the wire: metadata + values + indices."""
-        size = len(msgpack.packb(self.meta())) + _buffer_nbytes(self.values)
-        if self.indices is not None:
-            size += _buffer_nbytes(self.indices)
-        if self.rows is not None:
-            size += _row_set_nbytes(self._row_set(), self.rows.numel(), self.view[0])
-        return size
-
-    def frames(self) -> list:
-        """Metadata then raw buffers, ready for a zmq multipart send."""
-        return [msgpack.packb(self.meta()), *self.buffers()]
-
-    def buffers(self) -> list:
-        """The values, then the indices if any, as zero-copy buffers, then the row set if any."""
-        if self.host is not None:
-            data = list(self.host)
-        else:
-            data = [self.values] if self.indices is None else [self.values, self.indices]
-        buffers = [_as_buffer(t) for t in data]
-        if self.rows is not None:
-            buffers.append(self._row_frame())
-        return buffers
-
-    def _row_set(self) -> str:
-        """The smaller encoding of ``rows`` (the bitmap on a tie)."""
-        live, lead = self.rows.numel(), self.view[0]
-        smaller = _row_set_nbytes("list", live, lead) < _row_set_nbytes("bitmap", live, lead)
-        return "list" if smaller else "bitmap"
-
-    def _row_frame(self) -> memoryview:
-        rows = self.rows.cpu()
-        if self._row_set() == "list":
-            return _as_buffer(rows.to(index_dtype(self.view[0])))
-        mask = np.zeros(self.view[0], dtype=bool)
-        mask[rows.numpy()] = True
-        return memoryview(np.packbits(mask, bitorder="little"))
-
-    @classmethod
-    def from_frames(cls, frames: Sequence, max_numel: int = 1 << 31) -> "Payload":
-        """Rebuild a payload from :meth:`frames`, validating before touching memory."""
-        if len(frames) < 2:
-            raise PayloadError(f"expected at least 2 frames (meta, values), got {len(frames)}")
-        try:
-            meta = msgpack.unpackb(bytes(frames[0]))
-        except Exception as exc:  # msgpack raises several unrelated types
-            raise PayloadError(f"metadata frame is not msgpack: {exc}") from None
-        return cls.from_meta(meta, frames[1:], max_numel=max_numel)
-
-    @classmethod
-    def from_meta(cls, meta: object, buffers: Sequence, max_numel: int = 1 << 31) -> "Payload":
-        """Rebuild a payload from untrusted metadata and buffers, checking every field before touching memory."""
-        spec = _check_meta(meta, max_numel)
-        has_indices = spec["codec"] in ("fibre", "coo")
-        needs = 1 + has_indices + ("rows" in spec)
-        if len(buffers) != needs:
-            rows = " with a row set" if "rows" in spec else ""
-            raise PayloadError(f"codec {spec['codec']!r}{rows} needs {needs} buffer(s), got {len(buffers)}")
-        values = _from_buffer(buffers[0], spec["vdtype"], spec["count"], "values")
-        indices = rows = None
-        if has_indices:
-            indices = _from_buffer(buffers[1], spec["idtype"], spec["count"], "indices")
-        view = spec.get("view")
-        if spec["codec"] == "fibre":
-            carried = view[0]
-            if "rows" in spec:
-                carried = spec["rows"]
-                rows = _rows_from_buffer(buffers[2], spec["rowset"], carried, view[0])
-            vshape = (carried, spec["k"], *view[2:])
-            values, indices = values.view(vshape), indices.view(vshape)
-        payload = cls(spec["codec"], tuple(spec["shape"]), spec["dtype"], values, indices,
-                      tuple(view) if view is not None else None, spec.get("seed"), rows)
-        payload.check_indices()
-        return payload
-
-    def check_indices(self) -> None:
-        """Refuse positions outside the tensor, and a row set that is not increasing rows of
-        the view (what a peer sent is not trusted)."""
-        if self.rows is not None:
-            _check_rows(self.rows, self.view[0], self.values.shape[0])
-        if self.indices is None or self.indices.numel() == 0:
-            return
-        bound = self.view[1] if self.codec == "fibre" else self.numel
-        idx = self.indices
-        if idx.element_size() < 4:  # torch has no min/max for uint16
-            idx = idx.int()
-        low, top = (int(v) for v in torch.aminmax(idx))
-        if low < 0 or top >= bound:
-            raise PayloadError(f"index out of range: [{low}, {top}] not within [0, {bound})")
+        """Exact bytes this payload puts on the wire: its header fields, values, indices and row set."""
+        from ..wire.payloads import payload_nbytes  # the wire format sits above the data type
+        return payload_nbytes(self)
 
     def positions(self) -> torch.Tensor:
         """Flat or axis-1 positions as int64, ready for scatter."""
@@ -290,155 +137,3 @@ class Payload:
         """The dense tensor: zeros with the sent entries in place."""
         out = torch.empty(self.shape, dtype=self.dtype, device=self.values.device)
         return self.write_into(out)
-
-
-def _buffer_nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _as_buffer(t: torch.Tensor) -> memoryview:
-    """Zero-copy view of a tensor's bytes; a GPU tensor is staged once in pinned memory."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        staging = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        t = staging.copy_(t)
-    t = t.contiguous().view(-1)
-    return memoryview(t.view(torch.uint8).numpy())
-
-
-def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
-    mv = memoryview(buf)
-    item = dtype.itemsize
-    if mv.nbytes != count * item:
-        raise PayloadError(
-            f"{what} frame has {mv.nbytes} bytes, expected {count} x {item} = {count * item}"
-        )
-    if count == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(mv) if mv.readonly else mv, dtype=dtype)
-
-
-_POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
-
-
-def _row_set_nbytes(row_set: str, live: int, lead: int) -> int:
-    if row_set == "bitmap":
-        return (lead + 7) // 8
-    return live * index_dtype(lead).itemsize
-
-
-def _rows_from_buffer(buf, row_set: str, live: int, lead: int) -> torch.Tensor:
-    """The carried rows named by a row-set frame (checked against ``live`` and ``lead``)."""
-    mv = memoryview(buf)
-    want = _row_set_nbytes(row_set, live, lead)
-    if mv.nbytes != want:
-        raise PayloadError(f"row set frame ({row_set}) has {mv.nbytes} bytes, expected {want} "
-                           f"for {live} of {lead} rows")
-    if row_set == "list":
-        return _from_buffer(mv, index_dtype(lead), live, "row set").long()
-    # counted before anything is unpacked: memory in proportion to the frame and to ``live``
-    data = np.frombuffer(mv, dtype=np.uint8)
-    if lead % 8 and data[-1] >> (lead % 8):
-        raise PayloadError(f"row set bitmap sets bits past its {lead} rows")
-    named = int(_POPCOUNT[data].sum(dtype=np.int64))
-    if named != live:
-        raise PayloadError(f"row set bitmap names {named} rows, the metadata says {live}")
-    full = np.flatnonzero(data)
-    byte, bit = np.nonzero(np.unpackbits(data[full], bitorder="little").reshape(-1, 8))
-    return torch.from_numpy(full[byte] * 8 + bit)
-
-
-def _check_rows(rows: torch.Tensor, lead: int, carried: int) -> None:
-    if rows.dim() != 1 or rows.numel() != carried:
-        raise PayloadError(f"row set of shape {tuple(rows.shape)} for {carried} carried rows")
-    if carried >= lead:
-        raise PayloadError(f"row set names {carried} of {lead} rows; a payload carrying every "
-                           "row has no row set")
-    if carried == 0:
-        return
-    ordered = bool((rows[1:] > rows[:-1]).all())
-    low, top = int(rows[0]), int(rows[-1])
-    if not ordered or low < 0 or top >= lead:
-        raise PayloadError(f"row set must be increasing rows within [0, {lead}), got "
-                           f"{rows[:8].tolist()}{' ...' if carried > 8 else ''}")
-
-
-_REQUIRED = {"codec": str, "shape": list, "dtype": str, "vdtype": str, "count": int}
-_OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int, "rows": int, "rowset": str}
-_FIELDS = {**_REQUIRED, **_OPTIONAL}
-_NEEDS = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
-
-
-def _check_meta(meta: object, max_numel: int) -> dict:
-    if not isinstance(meta, dict):
-        raise PayloadError(f"metadata must be a map, got {type(meta).__name__}")
-    unknown = meta.keys() - _FIELDS.keys()
-    if unknown:
-        raise PayloadError(f"unknown metadata field(s) {sorted(map(str, unknown))}")
-    for key, typ in _FIELDS.items():
-        if key not in meta:
-            if key in _REQUIRED:
-                raise PayloadError(f"metadata lacks field {key!r}")
-            continue
-        if not isinstance(meta[key], typ) or isinstance(meta[key], bool):
-            raise PayloadError(f"metadata field {key!r} must be {typ.__name__}, got {meta[key]!r:.60}")
-    spec = dict(meta)
-    codec = spec["codec"]
-    if codec not in CODECS:
-        raise PayloadError(f"unknown codec {codec!r}; valid: {list(CODECS)}")
-    spec["shape"] = _check_dims(spec["shape"], "shape")
-    numel = math.prod(spec["shape"])
-    if numel > max_numel:
-        raise PayloadError(f"tensor of {numel} elements exceeds the limit of {max_numel}")
-    for key, table in (("dtype", DTYPES), ("vdtype", DTYPES), ("idtype", INDEX_DTYPES)):
-        if key in spec:
-            if spec[key] not in table:
-                raise PayloadError(f"{key} {spec[key]!r} not allowed; valid: {sorted(table)}")
-            spec[key] = table[spec[key]]
-    count = spec["count"]
-    if count < 0 or count > numel:
-        raise PayloadError(f"count {count} outside [0, {numel}]")
-    for key in _NEEDS[codec]:
-        if key not in spec:
-            raise PayloadError(f"codec {codec!r} needs metadata field {key!r}")
-    if codec == "dense" and count != numel:
-        raise PayloadError(f"dense payload carries {count} values for {numel} elements")
-    if codec == "fibre":
-        view = spec["view"] = _check_dims(spec["view"], "view")
-        if len(view) < 2 or math.prod(view) != numel:
-            raise PayloadError(f"view {view} is not a >=2-D view of shape {spec['shape']}")
-        k = spec["k"]
-        if not 1 <= k <= view[1]:
-            raise PayloadError(f"k {k} outside [1, {view[1]}]")
-        carried = _check_row_fields(spec, view[0])
-        if math.prod((carried, k, *view[2:])) != count:
-            rows = f" and {carried} rows" if "rows" in spec else ""
-            raise PayloadError(f"count {count} does not match view {view} with k={k}{rows}")
-    elif "rows" in spec or "rowset" in spec:
-        raise PayloadError(f"codec {codec!r} carries no row set; only 'fibre' does")
-    if codec == "seeded" and spec["seed"] < 0:
-        raise PayloadError(f"seed {spec['seed']} is negative")
-    return spec
-
-
-def _check_row_fields(spec: dict, lead: int) -> int:
-    """How many rows a fibre payload carries: all of them, or its row set's."""
-    if "rows" not in spec and "rowset" not in spec:
-        return lead
-    if "rows" not in spec or "rowset" not in spec:
-        raise PayloadError("metadata fields 'rows' and 'rowset' come together")
-    if spec["rowset"] not in ROW_SETS:
-        raise PayloadError(f"rowset {spec['rowset']!r} not allowed; valid: {list(ROW_SETS)}")
-    if not 0 <= spec["rows"] < lead:
-        raise PayloadError(f"rows {spec['rows']} outside [0, {lead}): a payload carrying every row "
-                           "has no row set")
-    return spec["rows"]
-
-
-def _check_dims(dims: list, what: str) -> list:
-    if len(dims) > 8:
-        raise PayloadError(f"{what} has {len(dims)} dimensions; at most 8 are allowed")
-    for d in dims:
-        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
-            raise PayloadError(f"{what} {dims!r:.80} must be non-negative integers")
-    return dims

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import Compressor, Payload
+from ..wire.checks import check_positions
 from .agreement import agree, describe
 from .optimizer import GradientCompression
 
@@ -103,7 +104,7 @@ def _unpack(blob: torch.Tensor, like: list[Payload], sizes: list[list[int]]) -> 
             shape = (p.view[0] if rows is None else rows.numel(), -1, *p.view[2:])
             values, indices = values.view(shape), indices.view(shape)
         q = Payload(p.codec, p.shape, p.dtype, values, indices, p.view, p.seed, rows)
-        q.check_indices()
+        check_positions(q)
         out.append(q)
     return out
 

@@ -32,10 +32,11 @@ import torch
 
 from ..client import Handle, PSClient
 from ..compression import Compressor, SparsificationPolicy
+from ..dtypes import FLOAT_DTYPES
 from .compression import Compression, compressor_of, is_cast
 from .runtime import client
 
-FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
 EXACT = 1 << 53  # float64 holds every integer below this
 UNNAMED_KEYS = 16  # server keys an unnamed call of one kind, dtype and shape cycles through
 

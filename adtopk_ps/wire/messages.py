@@ -1,13 +1,10 @@
-"""The wire format: one zmq multipart message per request or reply.
+"""Messages: one zmq multipart message per request or reply.
 
-Frame 0 is a msgpack header (protocol version, op, key, round, sender and,
-for messages that carry a tensor, the payload's codec, dtype, shape and
-counts); the frames after it are the raw little-endian value and index
-buffers, sent without copies (and, for a fibre payload that leaves out
-rows, the set of rows it carries). No float data ever travels inside msgpack.
-
-``decode`` validates the header schema, the dtypes, the frame lengths and
-the index ranges before any tensor is built, and raises only ``WireError``.
+Frame 0 is a msgpack header: the envelope (protocol version, op, key, round,
+sender), then, for an op that carries a tensor, the payload's fields
+(payloads.py), then any other fields the op has; the frames after it are the
+payload's buffers. ``decode`` checks the envelope and, with checks.py, the
+payload before any tensor is built, and raises only ``WireError``.
 
 A push may say ``nonfinite: true`` (its compressor saw a NaN or an infinity);
 a result then lists, in ``nonfinite``, the ranks whose pushes of that round
@@ -16,28 +13,46 @@ said so, the same list to every worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Sequence
 
 import msgpack
 
-from .compression.payload import Payload, PayloadError
+from ..compression.payload import Payload, PayloadError
+from .checks import FIELDS as _PAYLOAD_FIELDS
+from .checks import payload_from_fields
+from .payloads import payload_buffers, payload_fields
 
 #: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
 #: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
-#:    third frame naming the rows carried; see compression/payload.py)
+#:    third frame naming the rows carried; see payloads.py)
 PROTOCOL = 3
 
-#: ops a header may name; ``TENSOR_OPS`` carry a payload.
-TENSOR_OPS = frozenset({"push", "result"})
-CONTROL_OPS = frozenset({
-    "register", "addressbook", "barrier", "barrier_done", "heartbeat", "finish", "shutdown",
-    "node_lost", "error",
-})
-OPS = TENSOR_OPS | CONTROL_OPS
+
+class Op(str, Enum):
+    """What a message asks or tells; it travels as its value, a plain msgpack string."""
+
+    PUSH = "push"  # worker -> server: one key's payload for one round
+    RESULT = "result"  # server -> worker: the round's sum
+    REGISTER = "register"  # node -> scheduler: who it is and where it listens
+    ADDRESSBOOK = "addressbook"  # scheduler -> node: its rank and the servers' addresses
+    BARRIER = "barrier"  # worker -> scheduler: it entered barrier ``round``
+    BARRIER_DONE = "barrier_done"  # scheduler -> worker: every worker entered it
+    HEARTBEAT = "heartbeat"  # node <-> scheduler: still here (and, before the start, who is)
+    FINISH = "finish"  # worker -> scheduler and servers: no push of its is left to come
+    SHUTDOWN = "shutdown"  # scheduler -> node: the job is over
+    NODE_LOST = "node_lost"  # scheduler -> node: a peer was lost; the job ends
+    ERROR = "error"  # any -> sender: what it sent was refused, and why
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: ops that carry a payload
+TENSOR_OPS = frozenset({Op.PUSH, Op.RESULT})
+_VALID = sorted(op.value for op in Op)
 
 _ENVELOPE = {"v": int, "op": str, "key": int, "round": int, "sender": int}
-_PAYLOAD_FIELDS = ("codec", "shape", "dtype", "vdtype", "count", "idtype", "view", "k", "seed",
-                   "rows", "rowset")
 _MAX_RANKS = 1 << 16
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _MAX_HEADER_BYTES = 1 << 16
@@ -51,7 +66,7 @@ class WireError(ValueError):
 class Message:
     """One decoded message: its header fields, its payload if it carries a tensor, and any other header keys."""
 
-    op: str
+    op: Op
     key: int = 0
     round: int = 0
     sender: int = 0
@@ -59,18 +74,18 @@ class Message:
     extra: dict = field(default_factory=dict)
 
 
-def encode(op: str, key: int = 0, round: int = 0, sender: int = 0,
+def encode(op: Op, key: int = 0, round: int = 0, sender: int = 0,
            payload: Payload | None = None, **extra) -> list:
     """Frames for one message: the header, then the payload's buffers (zero-copy views)."""
-    header = {"v": PROTOCOL, "op": op, "key": key, "round": round, "sender": sender}
+    header = {"v": PROTOCOL, "op": Op(op).value, "key": key, "round": round, "sender": sender}
     clash = set(extra) & (set(header) | set(_PAYLOAD_FIELDS))
     if clash:
         raise ValueError(f"extra header fields {sorted(clash)} clash with reserved names")
     header.update(extra)
     if payload is None:
         return [msgpack.packb(header)]
-    header.update(payload.meta())
-    return [msgpack.packb(header), *payload.buffers()]
+    header.update(payload_fields(payload))
+    return [msgpack.packb(header), *payload_buffers(payload)]
 
 
 def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -95,9 +110,10 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
             raise WireError(f"header field {name!r} must be {typ.__name__}, got {value!r:.60}")
     if header["v"] != PROTOCOL:
         raise WireError(f"protocol version {header['v']} is not supported (this side speaks {PROTOCOL})")
-    op = header["op"]
-    if op not in OPS:
-        raise WireError(f"unknown op {op!r}; valid: {sorted(OPS)}")
+    try:
+        op = Op(header["op"])
+    except ValueError:
+        raise WireError(f"unknown op {header['op']!r}; valid: {_VALID}") from None
     for name in ("key", "round", "sender"):
         if not 0 <= header[name] < 1 << 63:
             raise WireError(f"header field {name!r} = {header[name]} is out of range")
@@ -105,7 +121,7 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     if op in TENSOR_OPS:
         meta = {k: header.pop(k) for k in _PAYLOAD_FIELDS if k in header}
         try:
-            payload = Payload.from_meta(meta, frames[1:], max_numel=max_numel)
+            payload = payload_from_fields(meta, frames[1:], max_numel=max_numel)
         except PayloadError as exc:
             raise WireError(f"{op} for key {header['key']}: {exc}") from None
     elif len(frames) > 1:
@@ -116,12 +132,12 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     return Message(op, header["key"], header["round"], header["sender"], payload, extra)
 
 
-def _check_nonfinite(op: str, flag: object) -> None:
+def _check_nonfinite(op: Op, flag: object) -> None:
     """A push's flag is a bool; a result's, the flagging ranks in increasing order."""
-    if op == "push":
+    if op == Op.PUSH:
         if not isinstance(flag, bool):
             raise WireError(f"push field 'nonfinite' must be a bool, got {flag!r:.60}")
-    elif op == "result":
+    elif op == Op.RESULT:
         if not isinstance(flag, list) or not 0 < len(flag) <= _MAX_RANKS or not all(
                 type(r) is int and 0 <= r < _MAX_RANKS for r in flag) or flag != sorted(set(flag)):
             raise WireError(f"result field 'nonfinite' must list distinct worker ranks in "

@@ -1,0 +1,305 @@
+"""The worker's engine thread: the queue, the sends and the answers (ps-lite's Van under
+a KVWorker; the caller's side is client.py).
+
+One background thread owns every socket: it compresses queued tensors in
+priority order (later layers, whose gradients the backward pass produces first,
+go first), splits them into keys, sends each key as soon as it is encoded (many
+keys in flight on one DEALER per server), and writes each answer into the
+handle's output as it arrives.
+
+Keys are never held back for credit: under BSP a round completes only when
+every worker has pushed it, so if workers held back different keys (their
+queues need not be in the same order) each would wait for the others.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+import zmq
+
+from . import wire
+from .cluster import ClusterConfig, KeyLayout, part_name, server_of, split
+from .compression import Compressor
+from .env import env_int
+from .liveness import PeerWatch
+from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
+from .wire import Op
+
+if TYPE_CHECKING:
+    from .client import Handle
+
+log = logging.getLogger("adtopk_ps.client")
+FLUSH_MS = 2000  # how long closing waits for queued messages after a clean finish
+
+
+def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
+    """Make a thread waiting for the GIL get it sooner (``PS_GIL_SWITCH_US``, default 200 us;
+    0 keeps Python's 5 ms).
+
+    The engine thread and the training thread hand the GIL back and forth at
+    every gradient the backward pass produces; with Python's default each
+    hand-over can wait up to 5 ms, which the step then waits too
+    (docs/benchmark-e2e.md measures steps with this setting).
+    """
+    micros = env_int("PS_GIL_SWITCH_US", 200, minimum=0, environ=environ)
+    if micros and micros / 1e6 < sys.getswitchinterval():
+        sys.setswitchinterval(micros / 1e6)
+
+
+class PushPullError(RuntimeError):
+    """A server refused one of this worker's pushes."""
+
+
+@dataclass(order=True)
+class Job:
+    """One ``push_pull`` waiting for the engine: lower ``priority`` goes first, then order of arrival."""
+
+    priority: int
+    seq: int
+    handle: Handle = field(compare=False)
+    tensor: torch.Tensor = field(compare=False)
+    layout: KeyLayout = field(compare=False)
+    compressor: Compressor = field(compare=False)
+    step: int = field(compare=False)
+    ratio: float | None = field(compare=False)
+
+
+@dataclass
+class _Part:
+    handle: Handle
+    view: torch.Tensor  # where the answer goes
+    round: int
+
+
+class Engine:
+    """The thread that talks to the scheduler and the servers for one worker."""
+
+    def __init__(self, config: ClusterConfig, ctx: zmq.Context):
+        self.config, self.ctx = config, ctx
+        self.size = config.num_workers
+        self.rank = -1
+        self.servers: list[str] = []
+        self.bytes_pushed = self.bytes_pulled = 0
+        self.compress_seconds = 0.0
+        self.error: BaseException | None = None  # what ended the engine, if anything did
+        self.rounds: dict[int, int] = {}  # the next round of each key
+        self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
+        self._jobs: list[Job] = []
+        self._in_hand: Job | None = None  # between the queue and the wire
+        self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
+        self._commands: list[tuple[Op, threading.Event | None]] = []
+        self._seq = itertools.count()
+        wake_addr = f"inproc://adtopk-wake-{id(self)}"
+        self._wake_in = make_socket(ctx, zmq.PULL)
+        self._wake_in.bind(wake_addr)
+        self._wake_out = make_socket(ctx, zmq.PUSH)
+        self._wake_out.connect(wake_addr)
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="adtopk-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread and wait until this worker has registered; raise if it could not."""
+        shorten_gil_switch()
+        self._thread.start()
+        if not self._ready.wait(register_timeout() + 5) or self.error is not None:
+            raise self.error or ClusterError("the worker engine did not start")
+
+    def submit(self, priority: int, handle: Handle, tensor: torch.Tensor, layout: KeyLayout,
+               compressor: Compressor, step: int, ratio: float | None) -> None:
+        """Queue one tensor for compression and sending."""
+        job = Job(priority, next(self._seq), handle, tensor, layout, compressor, step, ratio)
+        with self.lock:
+            # the engine empties the queue before it sleeps: only a push into an empty queue
+            # must wake it (each wake-up is a send and a GIL hand-over on the training thread)
+            wake = not self._jobs
+            heapq.heappush(self._jobs, job)
+        if wake:
+            self._poke()
+
+    def command(self, op: Op, done: threading.Event | None = None) -> None:
+        """Queue a barrier (``done`` is set once every worker reached it) or this worker's
+        finish; either goes out behind every push queued before it."""
+        with self.lock:
+            self._commands.append((op, done))
+        self._poke()
+
+    def stop(self, timeout: float) -> None:
+        """Finish (if the thread still runs) and wait up to ``timeout`` for the thread to end."""
+        if self._thread.is_alive():
+            self.command(Op.FINISH)
+            self._thread.join(timeout)
+        self._wake_out.close(0)
+
+    def _poke(self) -> None:
+        with self.lock:
+            try:
+                self._wake_out.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake-up is already queued, or the engine has stopped
+                pass
+
+    def _run(self) -> None:
+        link = SchedulerLink(self.ctx, self.config)
+        servers: list[zmq.Socket] = []
+        watches: list[PeerWatch] = []  # each server connection's, to notice a server's death
+        linger = 0
+        try:
+            book = link.register()
+            self.rank, self.servers = link.rank, list(book["servers"])
+            for address in book["servers"]:
+                sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
+                                   curve="client")
+                watches.append(PeerWatch(sock))
+                sock.connect(address)
+                servers.append(sock)
+            self._ready.set()
+            self._serve(link, servers, watches)
+            linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
+        except BaseException as exc:  # anything here ends the job for this worker
+            if not isinstance(exc, ClusterError):
+                log.exception("worker engine failed")
+            self.error = exc if isinstance(exc, ClusterError) else ClusterError(f"engine failed: {exc}")
+            self._ready.set()
+            self._fail_all(self.error)
+        finally:
+            for watch in watches:
+                watch.close()
+            for sock in servers:
+                sock.close(linger)
+            link.close()
+            self._wake_in.close(0)
+
+    def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
+               watches: list[PeerWatch]) -> None:
+        poller = zmq.Poller()
+        # a monitor's event wakes the loop (a peer that is down keeps producing reconnection
+        # events); link.tick() and _check_servers() read them
+        for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
+            poller.register(sock, zmq.POLLIN)
+        which = {sock: i for i, sock in enumerate(servers)}
+        barriers: list[tuple[int, threading.Event]] = []
+        barrier_seq = 0
+        finishing = False
+        tick_ms = int(self.config.heartbeat_interval * 1000)
+        while True:
+            for sock, _ in poller.poll(tick_ms):
+                if sock is link.sock:
+                    link.handle(link.sock.recv_multipart(copy=False))
+                elif sock is self._wake_in:
+                    for _ in drain(self._wake_in):
+                        pass
+                elif sock in which:
+                    for frames in drain(sock):
+                        self._on_answer(which[sock], frames)
+            with self.lock:
+                commands, self._commands = self._commands, []
+            # every push queued before a barrier or finish was queued goes out before it
+            self._launch(servers)
+            for op, event in commands:
+                if op == Op.BARRIER:
+                    barrier_seq += 1
+                    link.barrier(barrier_seq)
+                    barriers.append((barrier_seq, event))
+                elif not finishing:
+                    # behind this worker's last push on each connection: a server fails at once
+                    # any round this worker left unpushed, rather than let the others wait
+                    marker = wire.encode(Op.FINISH, sender=self.rank)
+                    for sock in servers:
+                        send(sock, marker)
+                    link.finish()
+                    finishing = True
+            for seq, event in [b for b in barriers if b[0] <= link.barrier_done]:
+                barriers.remove((seq, event))
+                event.set()
+            if finishing and link.shutdown:
+                return
+            link.tick()
+            self._check_servers(watches, finishing)
+
+    def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
+        """Raise when a server's connection closed for good; once this worker has finished,
+        the servers may exit before the scheduler's answer comes (events are still read:
+        a monitor nobody reads fills up)."""
+        for index, watch in enumerate(watches):
+            if watch.lost() and not finishing:
+                raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
+                                   f"closed {watch.closed_for():.1f} s ago and did not come back "
+                                   f"(it exited or was killed); ending the job")
+
+    def _launch(self, servers: list[zmq.Socket]) -> None:
+        while True:
+            with self.lock:
+                if not self._jobs:
+                    return
+                job = heapq.heappop(self._jobs)
+                self._in_hand = job  # off the queue: if it fails, _fail_all must still find it
+            self._send_job(job, servers)
+            self._in_hand = None
+
+    def _send_job(self, job: Job, servers: list[zmq.Socket]) -> None:
+        layout = job.layout
+        parts = split(job.tensor, layout.blocks)
+        outs = split(job.handle.out, layout.blocks)
+        for index, (part, out, key) in enumerate(zip(parts, outs, layout.keys)):
+            started = time.perf_counter()
+            payload = job.compressor.compress(part, part_name(job.handle.name, index), job.step,
+                                              job.ratio)
+            self.compress_seconds += time.perf_counter() - started
+            rnd = self.rounds.get(key, 0)
+            self.rounds[key] = rnd + 1
+            flag = {"nonfinite": True} if payload.nonfinite else {}
+            frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
+                                 **flag)
+            self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
+            self._inflight[key] = _Part(job.handle, out, rnd)
+            send(servers[server_of(key, len(servers))], frames)
+
+    def _on_answer(self, server: int, frames: list) -> None:
+        self.bytes_pulled += sum(memoryview(f).nbytes for f in frames)
+        try:
+            msg = wire.decode(frames)
+        except wire.WireError as exc:
+            raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        part = self._inflight.pop(msg.key, None)
+        if part is None or msg.round != part.round:
+            raise ClusterError(f"server {server} answered key {msg.key} round {msg.round}, "
+                               f"which this worker is not waiting for")
+        if msg.op == Op.ERROR:
+            part.handle._fail(PushPullError(f"server {server} refused key {msg.key} of "
+                                            f"{part.handle.name!r}: {msg.extra.get('message')}"))
+            return
+        if msg.op != Op.RESULT or msg.payload.shape != tuple(part.view.shape):
+            raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
+                               f"of the wrong shape")
+        handle, payload = part.handle, msg.payload
+        flagged = msg.extra.get("nonfinite", [])
+        if flagged and flagged[-1] >= self.size:
+            raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "
+                               f"beyond the {self.size} workers")
+        handle.nonfinite.update(flagged)
+        if handle.parts == 1 and not handle.out_given and payload.codec == "dense" \
+                and payload.values.dtype == handle.out.dtype and handle.out.device.type == "cpu":
+            handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy
+            if handle.divisor != 1:
+                handle.out.div_(handle.divisor)
+        else:
+            payload.write_into(part.view, handle.divisor)
+        handle._part_done()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self.lock:
+            jobs, self._jobs = self._jobs, []
+            if self._in_hand is not None:
+                jobs.append(self._in_hand)
+                self._in_hand = None
+        for job in jobs:
+            job.handle._fail(error)
+        for part in self._inflight.values():
+            part.handle._fail(error)

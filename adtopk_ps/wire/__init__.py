@@ -1,0 +1,20 @@
+"""The wire format: what nodes send each other, and the checks on what they receive.
+
+- messages.py: the ops (``Op``), ``encode`` and ``decode`` of one message (a msgpack
+  header, then raw buffers), and the envelope every message has.
+- payloads.py: how a compressed tensor (compression/payload.py's ``Payload``) goes into
+  a message: its header fields and its zero-copy buffers.
+- checks.py: the checks on a payload from a peer, made before any tensor is built.
+
+Example::
+
+    from adtopk_ps import wire
+    frames = wire.encode(wire.Op.PUSH, key=7, round=0, sender=1, payload=payload)
+    msg = wire.decode(frames)          # raises wire.WireError for anything malformed
+    assert msg.op == wire.Op.PUSH and msg.payload.shape == payload.shape
+"""
+from .messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op, WireError,
+                       decode, encode, envelope)
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
+           "decode", "encode", "envelope"]
