@@ -223,7 +223,8 @@ def test_atheris_finds_nothing_but_named_errors(tmp_path):
     corpus = tmp_path / "corpus"
     subprocess.run([sys.executable, program, "--seeds", str(corpus)], check=True, timeout=120)
     result = subprocess.run([sys.executable, program, str(corpus), "-runs=300000",
-                             "-max_total_time=60", "-rss_limit_mb=2048"],
+                             "-max_total_time=60", "-rss_limit_mb=2048",
+                             f"-artifact_prefix={tmp_path}/"],  # a crashing input, kept with the test
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Done" in result.stderr and "cov:" in result.stderr
