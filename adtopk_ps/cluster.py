@@ -7,6 +7,7 @@ partitions, their keys and the servers that own them) is byteps'.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -21,6 +22,7 @@ from .env import EnvError, env_int
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 PARTITION_BITS = 16
+LOG_LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)  # by PS_VERBOSE: 0, 1, 2 (or more)
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class ClusterConfig:
     heartbeat_interval: float
     heartbeat_timeout: float
     partition_bytes: int
-    verbose: int
+    verbose: int | None  # PS_VERBOSE; None where unset
 
     @property
     def scheduler_address(self) -> str:
@@ -86,8 +88,17 @@ class ClusterConfig:
             heartbeat_timeout=timeout_ms / 1000,
             partition_bytes=env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1,
                                     environ=env),
-            verbose=env_int("PS_VERBOSE", 0, minimum=0, environ=env),
+            verbose=env_int("PS_VERBOSE", minimum=0, environ=env)
+            if env.get("PS_VERBOSE", "").strip() else None,
         )
+
+    def apply_verbosity(self) -> None:
+        """Set this process's ``adtopk_ps`` loggers to PS_VERBOSE's level, as ps-lite's nodes
+        read it: 0 warnings and errors only, 1 the cluster's notices (INFO), 2 DEBUG as well.
+        Unset, each role keeps its default: the scheduler and servers log INFO, a worker's
+        program chooses (``python -m worker``: INFO)."""
+        if self.verbose is not None:
+            logging.getLogger("adtopk_ps").setLevel(LOG_LEVELS[min(self.verbose, len(LOG_LEVELS) - 1)])
 
 
 def node_host(env: Mapping[str, str]) -> str:

@@ -292,7 +292,9 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     stop_quietly_on_signals("scheduler")
     try:
-        scheduler = Scheduler(ClusterConfig.from_env(role="scheduler"))
+        config = ClusterConfig.from_env(role="scheduler")
+        config.apply_verbosity()
+        scheduler = Scheduler(config)
     except EnvError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2

@@ -478,7 +478,7 @@ def role_env(net: dict, servers: int, workers: int) -> dict[str, str]:
     env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT=str(free_port() if shared else 9000),
                DMLC_NUM_SERVER=str(servers), DMLC_NUM_WORKER=str(workers),
                BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
-               # gloo's own address lookup would leave the namespace; likewise NCCL's (the hybrid
+               # gloo's own address lookup would leave the namespace; likewise NCCL's (the dense
                # lane, GPU workers)
                GLOO_SOCKET_IFNAME="lo" if shared else "eth0",
                NCCL_SOCKET_IFNAME="lo" if shared else "eth0",

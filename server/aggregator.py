@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adtopk_ps.compression import ADTopk, Compressor, ErrorFeedback, Payload, index_dtype
+from adtopk_ps.compression import Compressor, ErrorFeedback, Payload, index_dtype
 
 from . import sparse_sum
 
@@ -128,7 +128,7 @@ def dense_is_smaller(count: int, flat: torch.Tensor) -> bool:
     return count * (itemsize + index_dtype(flat.numel()).itemsize) >= flat.numel() * itemsize
 
 
-def hybrid(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
+def smaller_encoding(aggregate: torch.Tensor, union_bound: int | None = None) -> Payload:
     """The smaller of the sparse union and the dense tensor.
 
     ``union_bound`` (how many values were pushed) spares the scan for the
@@ -223,11 +223,11 @@ class Aggregator:
         aggregate, state.current = state.current, None
         touched, state.touched = state.touched, None
         comp = self.resparsify
-        if comp is not None and state.sparse and not (aggregate.dim() < 2 and isinstance(comp.inner, ADTopk)):
+        if comp is not None and state.sparse and comp.accepts(aggregate):
             answer = comp.compress(aggregate, f"key{key}", round)
             if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
                 comp.memory.forget([f"key{key}"])
             return answer
         if touched is not None:
             return state.sparse_answer(aggregate, touched, round % 2)
-        return hybrid(aggregate, state.union_bound)
+        return smaller_encoding(aggregate, state.union_bound)

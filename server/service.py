@@ -168,6 +168,7 @@ def main() -> int:
     stop_quietly_on_signals("server")
     try:
         config = ClusterConfig.from_env(role="server")
+        config.apply_verbosity()
         limits = ServerLimits.from_env()
         resparsify = resparsifier_from_env()
         threads = env_int("BYTEPS_SERVER_ENGINE_THREAD", 1, minimum=1)

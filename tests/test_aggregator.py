@@ -1,10 +1,10 @@
-"""Server-side aggregation, in process: exact sums, BSP rounds, hybrid answers, limits."""
+"""Server-side aggregation, in process: exact sums, BSP rounds, smaller-encoding answers, limits."""
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from adtopk_ps.compression import Payload, create
-from server.aggregator import Aggregator, PushRejected, hybrid
+from server.aggregator import Aggregator, PushRejected, smaller_encoding
 
 
 def _ints(shape, seed):
@@ -59,20 +59,20 @@ def test_answer_survives_the_next_round_starting():
     assert torch.equal(first.decompress(), torch.full((300,), 2.0))
 
 
-def test_hybrid_picks_the_smaller_encoding():
+def test_smaller_encoding_picks_the_smaller_one():
     sparse = torch.zeros(1000)
     sparse[[3, 500, 999]] = 1.0
-    p = hybrid(sparse)
+    p = smaller_encoding(sparse)
     assert p.codec == "coo" and p.count == 3
     assert p.nbytes < Payload("dense", (1000,), torch.float32, sparse).nbytes
     full = torch.ones(1000)
-    assert hybrid(full).codec == "dense"
+    assert smaller_encoding(full).codec == "dense"
     # at the break-even point (value + uint16 index = 6 bytes vs 4 dense) dense wins
     half = torch.zeros(1000)
     half[:667] = 1.0
-    assert hybrid(half).codec == "dense"
+    assert smaller_encoding(half).codec == "dense"
     half[666] = 0.0
-    assert hybrid(half).codec == "coo"
+    assert smaller_encoding(half).codec == "coo"
 
 
 def test_server_resparsification_keeps_a_residual():

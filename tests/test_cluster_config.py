@@ -20,7 +20,8 @@ def test_a_full_environment_parses():
     cfg = ClusterConfig.from_env(_env(DMLC_WORKER_ID="1"))
     assert (cfg.role, cfg.num_workers, cfg.num_servers, cfg.worker_id) == ("worker", 2, 1, 1)
     assert cfg.scheduler_address == "tcp://127.0.0.1:9000" and cfg.node_host == "127.0.0.1"
-    assert cfg.partition_bytes == 4096000
+    assert cfg.partition_bytes == 4096000 and cfg.verbose is None
+    assert ClusterConfig.from_env(_env(PS_VERBOSE="2")).verbose == 2
 
 
 def test_local_size_multiplies_workers_and_offsets_ids():
@@ -41,6 +42,8 @@ def test_local_size_multiplies_workers_and_offsets_ids():
     ({"DMLC_WORKER_ID": "0", "BYTEPS_LOCAL_RANK": "1"}, "BYTEPS_LOCAL_RANK"),
     ({"BYTEPS_PARTITION_BYTES": "-5"}, "BYTEPS_PARTITION_BYTES"),
     ({"DMLC_INTERFACE": "nosuchif0"}, "DMLC_INTERFACE"),
+    ({"PS_VERBOSE": "-1"}, "PS_VERBOSE"),
+    ({"PS_VERBOSE": "loud"}, "PS_VERBOSE"),
 ])
 def test_missing_or_bad_variables_are_named(changes, name):
     with pytest.raises(EnvError, match=name):

@@ -66,7 +66,7 @@ def test_compression_names_resolve_and_unknown_ones_are_refused():
     from adtopk_ps.torch.compression import compressor_of
     assert compressor_of(Compression.none) is None and compressor_of("none") is None
     made = Compression.adtopk(ratio=0.05)
-    assert isinstance(made, ErrorFeedback) and isinstance(made.inner, ADTopk) and made.ratio == 0.05
+    assert isinstance(made, ErrorFeedback) and isinstance(made.base, ADTopk) and made.ratio == 0.05
     assert isinstance(Compression.topk(ef=False), TopK)
     assert isinstance(compressor_of({"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}), ErrorFeedback)
     fp16 = GradientCompression(Compression.fp16)

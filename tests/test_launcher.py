@@ -79,6 +79,23 @@ def test_local_mode_prefixes_output_and_returns_the_first_failure():
     assert "worker 1 exited with status 3" in result.stdout
 
 
+NOTICE = ("import logging, adtopk_ps.torch as bps; logging.basicConfig(); bps.init(); "
+          "logging.getLogger('adtopk_ps.check').info('a worker notice'); bps.shutdown()")
+
+
+@pytest.mark.parametrize("verbose", ["0", "1"])
+def test_ps_verbose_sets_every_roles_log_level(verbose):
+    """PS_VERBOSE=1: the scheduler's, a server's and a worker's INFO lines; 0: none of them."""
+    result = bpslaunch("--local", "--num-workers", "1", "--num-servers", "1", "--",
+                       sys.executable, "-c", NOTICE, env={"PS_VERBOSE": verbose}, timeout=60)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = ("[scheduler] ", "INFO scheduler listening on port"), \
+        ("[server 0] ", "INFO server 0 serving on port"), ("[worker 0] ", "INFO:adtopk_ps.check:a worker notice")
+    for prefix, line in lines:
+        logged = any(row.startswith(prefix) and line in row for row in result.stdout.splitlines())
+        assert logged == (verbose == "1"), (prefix, line, result.stdout[-3000:])
+
+
 def _children(pid):
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]

@@ -15,7 +15,7 @@ def test_every_documented_name_is_registered():
 
 def test_byteps_dict_with_error_feedback():
     comp = create({"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
-    assert isinstance(comp, ErrorFeedback) and isinstance(comp.inner, ADTopk)
+    assert isinstance(comp, ErrorFeedback) and isinstance(comp.base, ADTopk)
     assert comp.ratio == 0.01
     assert create({"compressor": "topk", "ratio": 0.2}, value_dtype="fp16").value_dtype == torch.float16
 

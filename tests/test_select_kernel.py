@@ -104,7 +104,7 @@ def test_adtopk_uses_the_kernel_on_layer_shapes(shape):
 
 def unfused(ef):
     """The same error-feedback compressor with the fused kernel switched off."""
-    ef.inner.compress_with_feedback = lambda *args: None
+    ef.base.compress_with_feedback = lambda *args: None
     return ef
 
 
@@ -146,7 +146,7 @@ def test_fused_path_is_taken_on_layer_shapes():
     ef.compress(g, "w")  # the first call creates the residual
     residual = ef.memory.residuals["w"]
     before = residual.clone() + g
-    payload = ef.inner.compress_with_feedback(g, residual, "w")
+    payload = ef.base.compress_with_feedback(g, residual, "w")
     assert payload is not None and payload.values.shape == (250, 40)
     assert torch.equal(payload.decompress() + residual, before)
 
@@ -169,7 +169,7 @@ def test_fused_global_turn_is_taken(name):
     ef.compress(g, "w")  # the first call creates the residual (and is adtopk-i's fibre turn)
     residual = ef.memory.residuals["w"]
     before = residual.clone() + g
-    payload = ef.inner.compress_with_feedback(g, residual, "w")
+    payload = ef.base.compress_with_feedback(g, residual, "w")
     assert payload is not None and payload.codec == "coo" and payload.values.numel() == 10240
     assert torch.equal(payload.decompress() + residual, before)
 
@@ -178,7 +178,7 @@ def test_fused_path_declines_what_it_cannot_do():
     from adtopk_ps.compression import create
     half = create({"compressor": "adtopk", "k": 0.01, "ef": "vanilla", "value_dtype": "fp16"})
     g = torch.randn(64, 1024)
-    assert half.inner.compress_with_feedback(g, torch.zeros_like(g), "w") is None
+    assert half.base.compress_with_feedback(g, torch.zeros_like(g), "w") is None
     plain = create({"compressor": "adtopk", "k": 0.01})
     r = torch.zeros(64, 1024, dtype=torch.float64)
     assert plain.compress_with_feedback(g.double(), r, "w") is None and not r.any()

@@ -53,10 +53,14 @@ class ADTopk(Compressor):
             return (shape[0], math.prod(shape[1:]))
         return tuple(shape)
 
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` has fibres: two dimensions or more."""
+        return tensor.dim() >= 2
+
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
         """A ``fibre`` payload of each fibre's largest entries; tensors under two dimensions are refused."""
-        if tensor.dim() < 2:
+        if not self.accepts(tensor):
             raise ValueError(
                 f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
                 "the sparsification policy sends such tensors dense")
@@ -80,7 +84,7 @@ class ADTopk(Compressor):
         carries. None, with nothing changed, where the kernel does not apply
         (other devices or dtypes, values cast for the wire, dense shares).
         """
-        if tensor.dim() < 2 or self.value_dtype not in (None, tensor.dtype):
+        if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
         view, k = self._fibres(tensor, ratio)
         if fibre_triton.applies(residual) and residual.is_contiguous() and \

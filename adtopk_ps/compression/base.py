@@ -27,16 +27,35 @@ def check_ratio(ratio: object, what: str = "ratio") -> float:
 
 
 class Compressor(ABC):
-    """Turns one tensor into a :class:`Payload` and back.
+    """Turns one tensor into a :class:`Payload` and back (GRACE's "compressor").
 
     ``name`` identifies the tensor (per-layer state is keyed by it) and
     ``step`` the training step (for schedules and shared seeds). ``ratio``
     overrides the configured density for one call, which is how the
     partial-sparsification policy raises density per layer.
+
+    A subclass implements :meth:`compress`; one whose selection can fold
+    error feedback into the same pass also implements
+    :meth:`compress_with_feedback`. What was not sent is kept by
+    :class:`~adtopk_ps.compression.memory.ErrorFeedback`, not here.
+
+    Example::
+
+        class Largest(Compressor):            # global top-k, in brief
+            name = "largest"
+
+            def compress(self, tensor, name, step=0, ratio=None):
+                flat = tensor.detach().reshape(-1)
+                k = global_k(flat.numel(), self._ratio(ratio))
+                positions = flat.abs().topk(k).indices
+                return Payload("coo", tuple(tensor.shape), tensor.dtype, flat[positions], positions)
+
+        comp = ErrorFeedback(Largest(ratio=0.01))  # what was not sent waits for the next call
     """
 
     name: str = ""
     sparse: bool = True
+    ef: str = "none"  # the error feedback it carries, as ``create(ef=...)`` spells it
 
     def __init__(self, ratio: float = 0.01, value_dtype: str | None = None):
         self.ratio = check_ratio(ratio)
@@ -45,11 +64,38 @@ class Compressor(ABC):
             raise ValueError(f"value_dtype must be one of {valid} or None, got {value_dtype!r}")
         self.value_dtype = VALUE_DTYPES[value_dtype]
 
+    @property
+    def base(self) -> "Compressor":
+        """The compressor that chooses what is sent: this one; a wrapper returns the one it wraps
+        (error feedback's residuals are then left out, as a speed probe wants)."""
+        return self
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether :meth:`compress` takes ``tensor``'s shape (ADTopk needs two dimensions)."""
+        return True
+
     @abstractmethod
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
-        """The payload to send for ``tensor``; ``ratio`` overrides the configured density for this call."""
+        """The payload to send for ``tensor``, which is left unchanged.
+
+        The payload has ``tensor``'s shape and dtype and lives on its device;
+        ``decompress`` of it is the dense tensor the receiver adds.
+        ``ratio`` overrides the configured density for this call.
+        """
         ...
+
+    def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
+                               step: int = 0, ratio: float | None = None) -> Payload | None:
+        """Error feedback fused into the selection: the payload of ``tensor + residual``.
+
+        An implementation leaves ``residual`` (same shape, dtype and device as
+        ``tensor``) holding ``tensor + residual - decompress(payload)``, in
+        place. None, with ``residual`` unchanged, means no fused path for this
+        call: the caller compensates and calls :meth:`compress` itself. None
+        here, for compressors that have no such path.
+        """
+        return None
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """A dense tensor of the payload's shape, dtype and device: zeros where nothing was sent."""

@@ -34,8 +34,7 @@ class ResidualMemory:
         """``g + r``, written into the residual's own buffer.
 
         Updating in place (here and in :meth:`update`) allocates nothing per
-        step: a fresh tensor of a large layer costs page faults that measured
-        as slow as the selection itself on CPU.
+        step: a fresh tensor of a large layer costs page faults every step.
         """
         residual = self.residuals.get(name)
         if residual is None:
@@ -75,44 +74,62 @@ class ResidualMemory:
 class ErrorFeedback(Compressor):
     """A compressor whose dropped mass is carried to the next call of the same tensor.
 
+    It is a :class:`Compressor` like the one it wraps: callers ask
+    :attr:`base` for the wrapped one, :meth:`accepts` and ``name``, ``ratio``
+    and ``sparse`` answer as it does, and :attr:`memory` holds the residuals.
+
     Example::
 
         comp = ErrorFeedback(ADTopk(ratio=0.01))     # or create("adtopk", ratio=0.01, ef="vanilla")
         payload = comp.compress(grad, name="fc.weight", step=0)   # what was not sent waits for step 1
+        comp.base                                    # the ADTopk it wraps, without the residuals
     """
 
+    ef = "vanilla"
+
     def __init__(self, inner: Compressor, memory: ResidualMemory | None = None):
-        self.inner = inner
+        if not isinstance(inner, Compressor):
+            raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(inner).__name__}")
+        self._base = inner
         self.memory = memory if memory is not None else ResidualMemory()
         self.name, self.sparse = inner.name, inner.sparse
         self.ratio, self.value_dtype = inner.ratio, inner.value_dtype
 
+    @property
+    def base(self) -> Compressor:
+        """The wrapped compressor, which chooses what is sent."""
+        return self._base
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """As the wrapped compressor."""
+        return self._base.accepts(tensor)
+
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
-        """Compress ``g + r`` and keep what was not sent as the new ``r``."""
-        fused = getattr(self.inner, "compress_with_feedback", None)
+        """Compress ``g + r`` and keep what was not sent as the new ``r``: in the wrapped
+        compressor's fused pass where it has one for this call, else in three steps."""
         residual = self.memory.matching(name, tensor)
-        if fused is not None and residual is not None:
-            payload = fused(tensor, residual, name, step, ratio)
+        if residual is not None:
+            payload = self._base.compress_with_feedback(tensor, residual, name, step, ratio)
             if payload is not None:
                 return payload
         compensated = self.memory.compensate(name, tensor)
-        payload = self.inner.compress(compensated, name, step, ratio)
+        payload = self._base.compress(compensated, name, step, ratio)
         self.memory.update(name, compensated, payload)
         return payload
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        """The inner compressor's decompression."""
-        return self.inner.decompress(payload)
+        """The wrapped compressor's decompression."""
+        return self._base.decompress(payload)
 
     def state_dict(self) -> dict:
-        """The residuals and the inner compressor's per-layer state."""
-        return {"compressor": self.inner.state_dict(), "residuals": self.memory.state_dict()}
+        """The residuals and the wrapped compressor's per-layer state."""
+        return {"compressor": self._base.state_dict(), "residuals": self.memory.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.inner.load_state_dict(state.get("compressor", {}))
+        self._base.load_state_dict(state.get("compressor", {}))
         self.memory.load_state_dict(state.get("residuals", {}))
 
     def __repr__(self) -> str:
-        return f"ErrorFeedback({self.inner!r})"
+        return f"ErrorFeedback({self._base!r})"

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..compression import Compressor, ErrorFeedback
+from ..compression import Compressor
 from .fusion import plan_buckets
 
 if TYPE_CHECKING:
@@ -49,8 +49,7 @@ class Disagreement(ValueError):
 def compressor_label(compressor: Compressor, ratio: float | None = None) -> str:
     """``adtopk(ratio=0.01, ef=vanilla)``: the name, the density (``ratio`` where the policy
     overrides it), every other parameter that differs from its default, and the error feedback."""
-    feedback = isinstance(compressor, ErrorFeedback)
-    inner = compressor.inner if feedback else compressor
+    inner = compressor.base
     parts = [f"ratio={ratio if ratio is not None else inner.ratio!r}"]
     for p in list(inspect.signature(type(inner).__init__).parameters.values())[1:]:
         if p.name == "ratio" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or not hasattr(inner, p.name):
@@ -62,7 +61,7 @@ def compressor_label(compressor: Compressor, ratio: float | None = None) -> str:
             continue
         if value != p.default:
             parts.append(f"{p.name}={value}")
-    parts.append(f"ef={'vanilla' if feedback else 'none'}")
+    parts.append(f"ef={compressor.ef}")
     return f"{inner.name or type(inner).__name__}({', '.join(parts)})"
 
 

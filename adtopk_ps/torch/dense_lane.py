@@ -3,8 +3,10 @@
 Through the servers every dense byte goes up to a server and comes back,
 and the servers spend CPU on each; a ring all-reduce moves about as many
 bytes per worker and needs no server at all. Where sparsifying does not pay
-(a fast link, small layers) that makes it the cheaper dense route: the
-paper's hybrid communication. The workers form a group of their own: NCCL
+(a fast link, small layers) that makes it the cheaper dense route. This lane
+for the dense part, with the sparse part through the servers, is what the
+paper (and ``ps-adtopk+hybrid`` in the benchmarks) calls hybrid
+communication. The workers form a group of their own: NCCL
 where every worker's gradients live on a GPU of its own, gloo otherwise (CPU
 tensors, or workers sharing a GPU, which NCCL refuses); the parameter server
 only tells them where worker 0's rendezvous store listens.

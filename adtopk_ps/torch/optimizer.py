@@ -109,7 +109,7 @@ class GradientCompression:
                 group.allreduce([on_lane]).wait()
                 synchronize(on_lane.device)  # (NCCL's wait returns once its kernels are queued)
             ring = _fastest(all_reduce, 3)
-        inner = getattr(self.compressor, "inner", self.compressor)  # no residual for the probe
+        inner = self.compressor.base if self.compressor is not None else None  # no residual for the probe
         speed = compression_speed(inner, device=device) if inner is not None else 0.0
         mine = torch.tensor([link, ring, speed, key], dtype=torch.float64)
         # every worker must route every tensor alike, or each waits for keys the others never

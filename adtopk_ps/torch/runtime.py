@@ -37,6 +37,8 @@ class Membership:
         """Connect to the cluster (once; later calls do nothing)."""
         with self._lock:
             if self._client is None:
+                config = config or ClusterConfig.from_env(role="worker")
+                config.apply_verbosity()
                 self._client = PSClient(config)
                 self._suspended = False
                 atexit.register(self.leave)
