@@ -104,7 +104,7 @@ def test_a_forgotten_residual_sends_no_nan_again(name):
     assert comp.compress(x, "w#0", 0).nonfinite
     clean = torch.randn(64, 300)
     assert comp.compress(clean, "w#0", 1).nonfinite
-    comp.memory.forget(["w#0"])
+    comp.forget(["w"])  # the tensor's name: its partitions' residuals go too
     p = comp.compress(clean, "w#0", 2)
     assert not p.nonfinite and all_finite(p.values) and all_finite(comp.memory.residuals["w#0"])
 
