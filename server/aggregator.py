@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adtopk_ps.compression import Compressor, ErrorFeedback, Payload, index_dtype
+from adtopk_ps.compression import Compressor, ErrorFeedback, Payload
+from adtopk_ps.dtypes import index_dtype
 
 from . import sparse_sum
 
