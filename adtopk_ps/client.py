@@ -42,6 +42,11 @@ class Handle:
         """Whether the answer is complete (or the push failed); never blocks."""
         return self._event.is_set()
 
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`done` or ``timeout`` passed: whether it is done. Unlike
+        :meth:`wait`, neither a failure nor the timeout raises."""
+        return self._event.wait(timeout)
+
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """The averaged (or summed) result; raises if the job failed or ``timeout`` passed."""
         timeout = self._client.timeout if timeout is None else timeout
@@ -51,13 +56,17 @@ class Handle:
             raise self._error
         return self.out
 
-    def _part_done(self) -> None:
+    def part_done(self) -> None:
+        """One partition's answer is in ``out`` (the engine calls this): the last completes
+        the handle."""
         self._left -= 1
         if self._left == 0:
             self.completed_at = time.monotonic()
             self._event.set()
 
-    def _fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException) -> None:
+        """Complete the handle with ``error``, which :meth:`wait` raises (the engine calls
+        this); a handle already complete keeps its outcome."""
         if not self._event.is_set():
             self._error = error
             self._event.set()
@@ -184,7 +193,7 @@ class PSClient:
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         for name, handle in list(self._last.items()):
-            if not handle._event.wait(max(0.0, deadline - time.monotonic())):
+            if not handle.wait_done(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"push_pull of {name!r} still in flight after {timeout:.1f} s")
 
     def declare(self, name: str, tensor: torch.Tensor) -> int:

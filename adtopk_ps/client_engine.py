@@ -272,7 +272,7 @@ class Engine:
             raise ClusterError(f"server {server} answered key {msg.key} round {msg.round}, "
                                f"which this worker is not waiting for")
         if msg.op == Op.ERROR:
-            part.handle._fail(PushPullError(f"server {server} refused key {msg.key} of "
+            part.handle.fail(PushPullError(f"server {server} refused key {msg.key} of "
                                             f"{part.handle.name!r}: {msg.extra.get('message')}"))
             return
         if msg.op != Op.RESULT or msg.payload.shape != tuple(part.view.shape):
@@ -291,7 +291,7 @@ class Engine:
                 handle.out.div_(handle.divisor)
         else:
             payload.write_into(part.view, handle.divisor)
-        handle._part_done()
+        handle.part_done()
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:
@@ -300,6 +300,6 @@ class Engine:
                 jobs.append(self._in_hand)
                 self._in_hand = None
         for job in jobs:
-            job.handle._fail(error)
+            job.handle.fail(error)
         for part in self._inflight.values():
-            part.handle._fail(error)
+            part.handle.fail(error)

@@ -4,6 +4,10 @@ This is ps-lite's Postoffice: everything here is derived from the DMLC/BytePS
 environment contract, so a node can be configured the same way on one host,
 by hand on several machines, or in Kubernetes pods. A tensor's key layout (its
 partitions, their keys and the servers that own them) is byteps'.
+
+Registration and the address book (which node is which rank, and where every server
+listens) are the scheduler's, in scheduler.py; a node's side of that exchange
+(``SchedulerLink``: register, heartbeats, barriers) is in transport.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The dtypes the wire carries, by the names it carries them under: one table that the
-payload, the wire's checks, the compressors' options and the kernels' sets derive from.
+payload, the wire's checks and the compressors' options derive from. A selection kernel
+lists the subset it supports next to its code (fibre_triton.py's ``DTYPES``, select.py's
+numpy path), and names a dtype by its wire name, which is also Triton's.
 
 A float dtype may carry values (and name a tensor's dtype); an index dtype may carry
 positions. Nothing else travels.

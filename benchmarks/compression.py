@@ -28,6 +28,7 @@ import time
 import torch
 
 from adtopk_ps.compression import SparsificationPolicy, create, fibre_triton
+from adtopk_ps.wire import payload_nbytes
 from adtopk_ps.compression.staging import Stage
 from adtopk_ps.wire.payloads import payload_buffers
 
@@ -74,7 +75,7 @@ def bench_shape(shape: tuple[int, ...], density: float, budget_s: float) -> list
         step = iter(range(10**9))
         s = timed(lambda: comp.compress(x, "layer", next(step)), budget_s)
         # two calls: ADTopk-I alternates codecs, so its bytes are the mean of a pair
-        nbytes = sum(comp.compress(x, "layer", next(step)).nbytes for _ in range(2)) // 2
+        nbytes = sum(payload_nbytes(comp.compress(x, "layer", next(step))) for _ in range(2)) // 2
         rows.append({"name": label, "s": s, "bytes": nbytes})
     for row in rows:
         row.update(x_read=row["s"] / read, x_pass=row["s"] / apass, speedup=gtopk / row["s"])
@@ -266,7 +267,7 @@ def in_job(model_name: str, ratio: float, repeats: int, batch: int, clock=time.p
                 started = clock()
                 payload = comps[c].compress(grad, part, rep, density)
                 spent[layer] += clock() - started
-                nbytes[layer] += payload.nbytes
+                nbytes[layer] += payload_nbytes(payload)
             if rep:
                 for layer, s in spent.items():
                     times[c][layer].append(s)

@@ -38,6 +38,7 @@ import yaml
 
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.deathsig import guarded
+from adtopk_ps.wire import payload_nbytes
 from worker.models import build
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,7 @@ def sparse_bytes(name: str, ratio: float, shapes: list[tuple[int, ...]]) -> floa
     total = 0
     for i, shape in enumerate(shapes):
         g = torch.randn(shape, generator=gen)
-        total += sum(comp.compress(g, f"p{i}", step).nbytes for step in range(2))
+        total += sum(payload_nbytes(comp.compress(g, f"p{i}", step)) for step in range(2))
     return total / 2
 
 

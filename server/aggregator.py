@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adtopk_ps.compression import Compressor, ErrorFeedback, Payload, index_dtype
+from adtopk_ps.compression import Compressor, ErrorFeedback, Payload
+from adtopk_ps.dtypes import index_dtype
 
 from . import sparse_sum
 
@@ -226,7 +227,7 @@ class Aggregator:
         if comp is not None and state.sparse and comp.accepts(aggregate):
             answer = comp.compress(aggregate, f"key{key}", round)
             if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
-                comp.memory.forget([f"key{key}"])
+                comp.forget([f"key{key}"])
             return answer
         if touched is not None:
             return state.sparse_answer(aggregate, touched, round % 2)

@@ -35,8 +35,8 @@ def gradients(draw, shape_strategy=shapes, dtypes=DTYPES):
 ENVELOPE = ("v", "op", "key", "round", "sender")
 
 
-def payload_nbytes(frames) -> int:
+def encoded_payload_bytes(frames) -> int:
     """The bytes of an encoded push that are its payload's: the header fields past the
-    envelope, packed alone, and every buffer (what ``Payload.nbytes`` must equal)."""
+    envelope, packed alone, and every buffer (what ``wire.payload_nbytes`` must equal)."""
     fields = {k: v for k, v in msgpack.unpackb(bytes(frames[0])).items() if k not in ENVELOPE}
     return len(msgpack.packb(fields)) + sum(memoryview(f).nbytes for f in frames[1:])

@@ -3,7 +3,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from adtopk_ps.compression import ADTopk, TopK, fibre_k, index_dtype
+from adtopk_ps.compression import ADTopk, TopK, fibre_k
+from adtopk_ps.dtypes import index_dtype
 from adtopk_ps.compression.base import global_k
 
 from strategies import gradients, ratios

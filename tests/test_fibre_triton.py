@@ -77,7 +77,7 @@ def reference(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def _frames(payload) -> list:
     """A push of ``payload``, as it goes on the wire."""
-    return wire.encode("push", key=1, round=0, sender=0, payload=payload)
+    return wire.encode(wire.Op.PUSH, key=1, round=0, sender=0, payload=payload)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -256,7 +256,7 @@ def test_dead_rows_the_kernel_sends_as_zeros_sum_like_the_cpu_paths_row_set():
         fibre_triton.CPU_TENSORS = False
     assert a.rows.tolist() == [1, 2, 3, 4, 7, 8, 9, 10, 11] and b.rows is None and b.host is not None
     assert not b.values[[0, 5, 6]].any()
-    decoded = [wire.decode([bytes(f) for f in wire.encode("push", key=1, payload=p)]).payload
+    decoded = [wire.decode([bytes(f) for f in wire.encode(wire.Op.PUSH, key=1, payload=p)]).payload
                for p in (a, b)]
     assert same_bits(decoded[0].decompress(), decoded[1].decompress())
     assert same_bits(decoded[0].decompress(), a.decompress())

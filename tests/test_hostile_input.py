@@ -53,7 +53,7 @@ def _expected(rnd, i, shape):
 
 def _hostile_messages(honest_key):
     p = create("adtopk", ratio=0.1).compress(torch.randn(8, 40), "x", 0)
-    push = [bytes(f) for f in wire.encode("push", key=999, round=0, sender=1, payload=p)]
+    push = [bytes(f) for f in wire.encode(wire.Op.PUSH, key=999, round=0, sender=1, payload=p)]
     header = msgpack.unpackb(push[0])
 
     def with_header(**changes):
@@ -63,7 +63,7 @@ def _hostile_messages(honest_key):
     bad_index[0] = 200  # the axis is 40 long
     dead = torch.randn(8, 40)
     dead[::2] = 0  # rows 1, 3, 5, 7 carried: a list of 4 rows against a 1-byte bitmap
-    rows = [bytes(f) for f in wire.encode("push", key=999, round=0, sender=1,
+    rows = [bytes(f) for f in wire.encode(wire.Op.PUSH, key=999, round=0, sender=1,
                                           payload=create("adtopk", ratio=0.1).compress(dead, "x", 0))]
     assert msgpack.unpackb(rows[0])["rowset"] == "bitmap"
     return {
@@ -78,12 +78,12 @@ def _hostile_messages(honest_key):
         "truncated": ([push[0], push[1][:-3], push[2]], "values frame has"),
         "huge": (with_header(shape=[2**40, 8]), "exceeds the limit"),
         "negative": (with_header(count=-4), "count -4 outside"),
-        "op": ([wire.encode("heartbeat")[0]], "not served here"),
+        "op": ([wire.encode(wire.Op.HEARTBEAT)[0]], "not served here"),
         "rank": (with_header(sender=7), "sender 7 is not a worker rank"),
         "impersonation": (with_header(key=honest_key, sender=0), "bound to another connection"),
         # a finish fails every round its worker has not pushed: only that worker may send it
-        "finish rank": (wire.encode("finish", sender=7), "sender 7 is not a worker rank"),
-        "finish impersonation": (wire.encode("finish", sender=0), "bound to another connection"),
+        "finish rank": (wire.encode(wire.Op.FINISH, sender=7), "sender 7 is not a worker rank"),
+        "finish impersonation": (wire.encode(wire.Op.FINISH, sender=0), "bound to another connection"),
         "missing": (push[:2], "needs 2 buffer"),
     }
 
@@ -106,7 +106,7 @@ def test_server_answers_every_bad_message_and_honest_rounds_stay_exact():
             assert attacker.poll(5000), f"no reply to {case}"
             reply = wire.decode(attacker.recv_multipart())
             replies[case] = reply
-            assert reply.op == "error" and words in reply.extra["message"], (case, reply.extra)
+            assert reply.op == wire.Op.ERROR and words in reply.extra["message"], (case, reply.extra)
         attacker.close()
         for t in threads:
             t.join(60)
@@ -188,14 +188,14 @@ def test_structured_mutations_get_error_replies_and_honest_rounds_stay_exact():
     a live server while two honest workers run their rounds. Every message is answered
     with an error; the honest sums stay exact and the server stays up."""
     from hypothesis import HealthCheck, given, settings
-    bases = [wire.encode("push", key=999, round=0, sender=1,
+    bases = [wire.encode(wire.Op.PUSH, key=999, round=0, sender=1,
                          payload=create(name, ratio=0.2).compress(torch.randn(8, 40), "x", 0))
              for name in ("adtopk", "topk", "randomk")]
-    bases.append(wire.encode("push", key=998, round=0, sender=1,
+    bases.append(wire.encode(wire.Op.PUSH, key=998, round=0, sender=1,
                              payload=create("none").compress(torch.randn(30), "x", 0)))
     dead = torch.randn(8, 40)
     dead[[0, 3, 4]] = 0  # a fibre payload with a row set (a third frame)
-    bases.append(wire.encode("push", key=997, round=0, sender=1,
+    bases.append(wire.encode(wire.Op.PUSH, key=997, round=0, sender=1,
                              payload=create("adtopk", ratio=0.2).compress(dead, "x", 0)))
     with roles(2, 1) as (config, procs):
         clients = procs_clients(config, 2)
@@ -217,7 +217,7 @@ def test_structured_mutations_get_error_replies_and_honest_rounds_stay_exact():
             attacker.send_multipart(_mutate([bytes(f) for f in bases[base]], mutation))
             assert attacker.poll(15000), f"no reply to {mutation!r}"
             reply = wire.decode(attacker.recv_multipart())
-            assert reply.op == "error" and reply.extra["message"], mutation
+            assert reply.op == wire.Op.ERROR and reply.extra["message"], mutation
             kinds.add(mutation[0])
 
         attack()

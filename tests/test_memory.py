@@ -1,9 +1,10 @@
 """Error-feedback state: residuals carry over and survive a checkpoint."""
 import io
 
+import pytest
 import torch
 
-from adtopk_ps.compression import create
+from adtopk_ps.compression import ErrorFeedback, TopK, create
 
 
 def test_residual_carries_the_dropped_mass():
@@ -42,3 +43,21 @@ def test_residual_shape_mismatch_is_reported():
         assert "'w'" in str(e) and "(8, 8)" in str(e)
     else:
         raise AssertionError("mismatched residual accepted")
+
+
+def test_forget_drops_a_tensors_residual_and_its_partitions_only():
+    ef = create("topk", ratio=0.1, ef="vanilla")
+    for name in ("w", "w#0", "w#1", "wide#0", "v#0"):
+        ef.compress(torch.randn(10), name)
+    ef.forget(["w", "v"])
+    assert sorted(ef.memory.residuals) == ["wide#0"]
+    plain = create("topk", ratio=0.1)
+    plain.forget(["w"])  # no residuals to drop: nothing happens
+    assert plain.compress(torch.arange(1.0, 11.0), "w").values.tolist() == [10.0]
+
+
+def test_error_feedback_refuses_a_compressor_that_already_has_it():
+    ef = ErrorFeedback(TopK(ratio=0.1))
+    with pytest.raises(ValueError, match="already carries error feedback"):
+        ErrorFeedback(ef)
+    assert ErrorFeedback(ef.base).base is ef.base

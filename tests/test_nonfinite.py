@@ -104,7 +104,7 @@ def test_a_forgotten_residual_sends_no_nan_again(name):
     assert comp.compress(x, "w#0", 0).nonfinite
     clean = torch.randn(64, 300)
     assert comp.compress(clean, "w#0", 1).nonfinite
-    comp.memory.forget(["w#0"])
+    comp.forget(["w"])  # the tensor's name: its partitions' residuals go too
     p = comp.compress(clean, "w#0", 2)
     assert not p.nonfinite and all_finite(p.values) and all_finite(comp.memory.residuals["w#0"])
 
@@ -119,7 +119,7 @@ def test_threshold_keeps_its_last_finite_threshold():
 
 def _push_frames(**extra):
     p = create("none").compress(torch.ones(3), "w")
-    return [bytes(f) for f in wire.encode("push", key=1, round=0, sender=0, payload=p, **extra)]
+    return [bytes(f) for f in wire.encode(wire.Op.PUSH, key=1, round=0, sender=0, payload=p, **extra)]
 
 
 def _with(frames, op=None, **changes):
@@ -133,18 +133,18 @@ def _with(frames, op=None, **changes):
 def test_the_flag_travels_and_a_malformed_one_is_refused():
     assert wire.decode(_push_frames(nonfinite=True)).extra == {"nonfinite": True}
     assert wire.decode(_push_frames()).extra == {}
-    result = _with(_push_frames(), op="result", nonfinite=[0, 3])
+    result = _with(_push_frames(), op=wire.Op.RESULT, nonfinite=[0, 3])
     assert wire.decode(result).extra["nonfinite"] == [0, 3]
     refused = {
         "push, not a bool": (_push_frames(nonfinite=1), "must be a bool"),
         "push, a list": (_push_frames(nonfinite=[0]), "must be a bool"),
-        "result, a bool": (_with(_push_frames(), op="result", nonfinite=True), "distinct worker ranks"),
-        "result, empty": (_with(_push_frames(), op="result", nonfinite=[]), "distinct worker ranks"),
-        "result, unsorted": (_with(_push_frames(), op="result", nonfinite=[2, 1]), "increasing"),
-        "result, repeated": (_with(_push_frames(), op="result", nonfinite=[1, 1]), "distinct"),
-        "result, negative": (_with(_push_frames(), op="result", nonfinite=[-1]), "distinct worker"),
-        "result, not ints": (_with(_push_frames(), op="result", nonfinite=[True]), "distinct worker"),
-        "control op": ([msgpack.packb({**msgpack.unpackb(wire.encode("heartbeat")[0]),
+        "result, a bool": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=True), "distinct worker ranks"),
+        "result, empty": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=[]), "distinct worker ranks"),
+        "result, unsorted": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=[2, 1]), "increasing"),
+        "result, repeated": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=[1, 1]), "distinct"),
+        "result, negative": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=[-1]), "distinct worker"),
+        "result, not ints": (_with(_push_frames(), op=wire.Op.RESULT, nonfinite=[True]), "distinct worker"),
+        "control op": ([msgpack.packb({**msgpack.unpackb(wire.encode(wire.Op.HEARTBEAT)[0]),
                                        "nonfinite": True})], "only push and result"),
     }
     for case, (frames, words) in refused.items():
@@ -186,7 +186,7 @@ def test_a_server_refuses_a_push_with_a_malformed_flag():
         sock.send_multipart(_push_frames(nonfinite="yes"))
         assert sock.poll(5000), "no reply"
         reply = wire.decode(sock.recv_multipart())
-        assert reply.op == "error" and "must be a bool" in reply.extra["message"]
+        assert reply.op == wire.Op.ERROR and "must be a bool" in reply.extra["message"]
         sock.close()
         ones = torch.ones(3)
         assert torch.equal(client.push_pull(ones, "w", average=False).wait(10), ones)

@@ -8,11 +8,11 @@ from adtopk_ps import wire
 from adtopk_ps.compression import PayloadError, create
 from adtopk_ps.wire.checks import payload_from_fields
 
-from strategies import ENVELOPE, payload_nbytes
+from strategies import ENVELOPE, encoded_payload_bytes
 
 
 def _encode(p):
-    return [bytes(f) for f in wire.encode("push", key=3, round=1, sender=0, payload=p)]
+    return [bytes(f) for f in wire.encode(wire.Op.PUSH, key=3, round=1, sender=0, payload=p)]
 
 
 def _decode(frames):
@@ -95,7 +95,7 @@ def test_rows_of_zeros_are_left_out_and_named():
     meta = msgpack.unpackb(frames[0])
     assert (meta["rows"], meta["rowset"], meta["count"]) == (len(live), "bitmap", len(live) * 3)
     assert frames[3] == _bitmap(live)
-    assert payload_nbytes(frames) == p.nbytes
+    assert encoded_payload_bytes(frames) == wire.payload_nbytes(p)
     back = _decode(frames)
     assert back.rows.tolist() == live and torch.equal(back.decompress(), p.decompress())
     assert torch.equal(back.decompress().ne(0).sum(1), torch.tensor([0 if r % 3 == 0 else 3 for r in range(40)]))

@@ -5,8 +5,9 @@ from hypothesis import given, strategies as st
 
 from adtopk_ps import wire
 from adtopk_ps.compression import COMPRESSORS, ErrorFeedback, create
+from adtopk_ps.compression.base import VALUE_DTYPES
 
-from strategies import gradients, payload_nbytes, ratios
+from strategies import encoded_payload_bytes, gradients, ratios
 
 SPARSE = sorted(n for n in COMPRESSORS if n != "none")
 ALL = sorted(COMPRESSORS)
@@ -61,12 +62,12 @@ def test_error_feedback_invariant_is_exact(name, x, ratio, value_dtype, steps):
 def test_nbytes_is_the_encoded_size_and_frames_decode_back(name, x, ratio, value_dtype):
     comp = _make(name, ratio, value_dtype)
     p = comp.compress(x, "layer", 3)
-    frames = wire.encode("push", key=1, round=3, sender=0, payload=p)
-    assert payload_nbytes(frames) == p.nbytes
+    frames = wire.encode(wire.Op.PUSH, key=1, round=3, sender=0, payload=p)
+    assert encoded_payload_bytes(frames) == wire.payload_nbytes(p)
     back = wire.decode([bytes(f) for f in frames]).payload
     assert torch.equal(back.decompress(), p.decompress())
     if value_dtype is not None:
-        assert p.values.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16}[value_dtype]
+        assert p.values.dtype == VALUE_DTYPES[value_dtype]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -82,9 +83,9 @@ def test_result_follows_input_dtype_and_device(name, dtype, device):
 
 def test_sparse_payloads_are_smaller_than_dense():
     x = torch.randn(256, 1024)
-    dense = _make("none", 1.0).compress(x, "w").nbytes
+    dense = wire.payload_nbytes(_make("none", 1.0).compress(x, "w"))
     for name in SPARSE:
-        assert _make(name, 0.01).compress(x, "w").nbytes < dense / 20, name
+        assert wire.payload_nbytes(_make(name, 0.01).compress(x, "w")) < dense / 20, name
 
 
 def test_adtopk_indices_are_narrower_than_global_topk():
@@ -99,7 +100,6 @@ def test_rows_that_select_only_zeros_on_the_wire_are_left_out_and_kept_in_the_re
     """A row whose selected values are zero as sent (a dead unit, or magnitudes below fp16's
     smallest) costs no bytes; error feedback keeps what it held, and the next step of a live
     row sends it."""
-    from adtopk_ps import wire
     x = torch.randn(16, 256, generator=torch.Generator().manual_seed(5))
     x[[2, 9]] = 0
     x[12] = 1e-9  # zero in fp16
@@ -107,9 +107,9 @@ def test_rows_that_select_only_zeros_on_the_wire_are_left_out_and_kept_in_the_re
     p = ef.compress(x, "w", 0)
     dead = [2, 9, 12] if value_dtype else [2, 9]
     assert p.rows.tolist() == [r for r in range(16) if r not in dead]
-    back = wire.decode([bytes(f) for f in wire.encode("push", key=1, payload=p)]).payload
+    back = wire.decode([bytes(f) for f in wire.encode(wire.Op.PUSH, key=1, payload=p)]).payload
     assert torch.equal(back.decompress(), p.decompress())
     assert torch.equal(ef.decompress(p) + ef.memory.residuals["w"], x)
     full = _make("adtopk", 0.02, value_dtype).compress(x + 1, "w", 0)  # no row of zeros
     assert full.rows is None and p.count * 16 == full.count * (16 - len(dead))
-    assert p.nbytes < full.nbytes
+    assert wire.payload_nbytes(p) < wire.payload_nbytes(full)

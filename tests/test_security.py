@@ -25,7 +25,7 @@ def _attempt(address, keys=None):
         sock.curve_publickey, sock.curve_secretkey, sock.curve_serverkey = public, secret, public
     sock.connect(address)
     p = create("none").compress(torch.ones(4), "x")
-    sock.send_multipart(wire.encode("push", key=12345, round=0, sender=0, payload=p))
+    sock.send_multipart(wire.encode(wire.Op.PUSH, key=12345, round=0, sender=0, payload=p))
     reply = wire.decode(sock.recv_multipart()) if sock.poll(2000) else None
     sock.close()
     ctx.term()
@@ -56,7 +56,7 @@ def test_the_same_server_without_keys_does_answer_a_plaintext_push():
     with roles(1, 1) as (config, _):
         client = PSClient(config)
         reply = _attempt(client.servers[0])
-        assert reply is not None and reply.op == "result"
+        assert reply is not None and reply.op == wire.Op.RESULT
         client.shutdown()
 
 

@@ -11,14 +11,14 @@ from adtopk_ps.compression import create
 def _push(name="adtopk", shape=(8, 50)):
     params = {} if name == "none" else {"ratio": 0.1}
     p = create(name, **params).compress(torch.randn(shape), "w", 2)
-    return p, [bytes(f) for f in wire.encode("push", key=(3 << 16) + 1, round=7, sender=1, payload=p)]
+    return p, [bytes(f) for f in wire.encode(wire.Op.PUSH, key=(3 << 16) + 1, round=7, sender=1, payload=p)]
 
 
 @pytest.mark.parametrize("name", ["none", "topk", "adtopk", "randomk"])
 def test_push_round_trips(name):
     p, frames = _push(name)
     msg = wire.decode(frames)
-    assert (msg.op, msg.key, msg.round, msg.sender) == ("push", (3 << 16) + 1, 7, 1)
+    assert (msg.op, msg.key, msg.round, msg.sender) == (wire.Op.PUSH, (3 << 16) + 1, 7, 1)
     assert torch.equal(msg.payload.decompress(), p.decompress())
     header = msgpack.unpackb(frames[0])
     assert header["v"] == wire.PROTOCOL and header["codec"] == p.codec
@@ -26,9 +26,18 @@ def test_push_round_trips(name):
 
 
 def test_control_message_round_trips():
-    msg = wire.decode(wire.encode("register", role="server", host="10.0.0.1", port=9000))
-    assert msg.op == "register" and msg.payload is None
+    msg = wire.decode(wire.encode(wire.Op.REGISTER, role="server", host="10.0.0.1", port=9000))
+    assert msg.op == wire.Op.REGISTER and msg.payload is None
     assert msg.extra == {"role": "server", "host": "10.0.0.1", "port": 9000}
+
+
+def test_ops_travel_as_strings_and_decode_to_the_enum():
+    header = msgpack.unpackb(wire.encode(wire.Op.BARRIER, round=2)[0])
+    assert header["op"] == "barrier" and type(header["op"]) is str  # the wire carries the value
+    msg = wire.decode([msgpack.packb({**header, "op": "barrier_done"})])
+    assert msg.op is wire.Op.BARRIER_DONE
+    with pytest.raises(ValueError, match="'explode' is not a valid Op"):
+        wire.encode("explode")
 
 
 def _header(frames, **changes):
@@ -64,11 +73,11 @@ def test_structural_errors():
     with pytest.raises(wire.WireError, match="exceeds the limit of 100"):
         wire.decode(frames, max_bytes=100)
     with pytest.raises(wire.WireError, match="carries no tensor"):
-        wire.decode([wire.encode("heartbeat")[0], b"x"])
+        wire.decode([wire.encode(wire.Op.HEARTBEAT)[0], b"x"])
     with pytest.raises(wire.WireError, match="indices frame has"):
         wire.decode([frames[0], frames[1], frames[2][:-1]])
     with pytest.raises(ValueError, match="clash"):
-        wire.encode("register", codec="x")
+        wire.encode(wire.Op.REGISTER, codec="x")
 
 
 def _mutate(data, raw: bytes) -> bytes:

@@ -115,8 +115,9 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     rank, size = join(cfg, device)
     data = dataset.shard(rank, size).to(device)
     model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
+    compression = make_compression(cfg)
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
-                                   make_compression(cfg), nonfinite=cfg["nonfinite"])
+                                   compression, nonfinite=cfg["nonfinite"])
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
     start = starting_step(args, model, opt, cfg, total)
@@ -153,7 +154,7 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     accuracy, test_loss = evaluate(model, data)
     summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": end,
                "samples_per_s": size * batch * done / wall if done else 0.0, **traffic(client, opt),
-               "compressor": opt._compression.compressor.name if opt._compression.compressor else "none",
+               "compressor": compression.compressor.name if compression.compressor else "none",
                "wall_s": wall, "workers": size, "rank": rank, "checksum": checkpoint.parameters_digest(model)}
     if log is not None:
         log.close()

@@ -17,7 +17,6 @@ The three pieces GRACE names, and where each lives:
 The partial-sparsification policy (``policy.py``: whether to sparsify a
 tensor at all) and its cost model (``cost.py``) compose with all three.
 """
-from ..dtypes import index_dtype
 from .adtopk import ADTopk, ADTopkInterleaved, fibre_k
 from .base import Compressor
 from .cost import CostModel, compression_speed
@@ -35,5 +34,5 @@ from .topk import TopK
 __all__ = [
     "ADTopk", "ADTopkInterleaved", "COMPRESSORS", "Compressor", "CostModel", "compression_speed", "DGC", "Dense", "ErrorFeedback",
     "GaussianK", "Payload", "PayloadError", "RandomK", "ResidualMemory", "Route",
-    "SparsificationPolicy", "Threshold", "TopK", "create", "fibre_k", "index_dtype", "parameters",
+    "SparsificationPolicy", "Threshold", "TopK", "create", "fibre_k", "parameters",
 ]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from typing import Iterable
 
 import torch
 
@@ -100,6 +101,11 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> torch.Tensor:
         """A dense tensor of the payload's shape, dtype and device: zeros where nothing was sent."""
         return payload.decompress()
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the residual state kept for these tensor names, used when a NaN or an
+        infinity was sent (a residual that took one would send it again); nothing here,
+        for compressors that keep no residuals."""
 
     def state_dict(self) -> dict:
         """Per-layer state worth a checkpoint; stateless compressors have none."""

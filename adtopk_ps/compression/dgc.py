@@ -6,7 +6,8 @@ import math
 import torch
 
 from .base import Compressor, check_ratio, flat_of, global_k
-from .payload import Payload, seed_for
+from .payload import Payload
+from .seeded import seed_for
 from .select import above, global_topk, trim
 
 

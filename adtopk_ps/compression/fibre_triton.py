@@ -43,12 +43,13 @@ from functools import lru_cache
 
 import torch
 
-from ..dtypes import index_dtype
+from ..dtypes import index_dtype, wire_name
 from .staging import Stage, aligned
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # bits of |x| below the sign, and the key of an infinity (a NaN's key is clipped to it)
 _BITS = {torch.float32: 31, torch.float16: 15, torch.bfloat16: 15}
+#: the wire's float dtypes (adtopk_ps/dtypes.py) this kernel selects in: all but float64
+DTYPES = tuple(_BITS)
 _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 _SMALL_K = 2  # the C kernel's SMALL_K: largest-first order up to here
 _TILE = 4096  # elements per program that fibres are packed up to
@@ -219,7 +220,6 @@ def _region(buffer: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> to
     return buffer[at:at + count * dtype.itemsize].view(dtype)
 
 
-_TL_OF = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
 
 
@@ -246,7 +246,7 @@ def _launch(kernel, tl, key, members, fb, items, layout, buffer, flags, stage, d
     warps = 4 if g_tile * mb * fb <= 2048 else 8 if g_tile * mb * fb <= 8192 else 16
     kernel[(pid,)](
         table, len(rows), flags,
-        DT=getattr(tl, _TL_OF[dtype]), IDT=getattr(tl, _TL_INDEX[index_bytes]),
+        DT=getattr(tl, wire_name(dtype)), IDT=getattr(tl, _TL_INDEX[index_bytes]),
         BITS=_BITS[dtype], INF_KEY=_INF_KEY[dtype], FB=fb, G=g_tile, MB=mb, TB=tail,
         SMALL=small, FEEDBACK=feedback, W=_COLUMNS, num_warps=warps,
         enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns

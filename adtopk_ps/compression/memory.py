@@ -87,13 +87,16 @@ class ErrorFeedback(Compressor):
 
     ef = "vanilla"
 
-    def __init__(self, inner: Compressor, memory: ResidualMemory | None = None):
-        if not isinstance(inner, Compressor):
-            raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(inner).__name__}")
-        self._base = inner
+    def __init__(self, base: Compressor, memory: ResidualMemory | None = None):
+        if not isinstance(base, Compressor):
+            raise TypeError(f"ErrorFeedback wraps a Compressor, got {type(base).__name__}")
+        if base.ef != "none":
+            raise ValueError(f"{base!r} already carries error feedback (ef={base.ef!r}); "
+                             f"wrap the compressor it wraps, {base.base!r}, instead")
+        self._base = base
         self.memory = memory if memory is not None else ResidualMemory()
-        self.name, self.sparse = inner.name, inner.sparse
-        self.ratio, self.value_dtype = inner.ratio, inner.value_dtype
+        self.name, self.sparse = base.name, base.sparse
+        self.ratio, self.value_dtype = base.ratio, base.value_dtype
 
     @property
     def base(self) -> Compressor:
@@ -117,6 +120,13 @@ class ErrorFeedback(Compressor):
         payload = self._base.compress(compensated, name, step, ratio)
         self.memory.update(name, compensated, payload)
         return payload
+
+    def forget(self, names: Iterable[str]) -> None:
+        """Drop the residuals of these tensor names and of their partitions (``name#i``):
+        each starts afresh from its next gradient."""
+        names = set(names)
+        self.memory.forget([kept for kept in self.memory.residuals
+                            if kept in names or kept.rpartition("#")[0] in names])
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The wrapped compressor's decompression."""

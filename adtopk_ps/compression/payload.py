@@ -9,7 +9,6 @@ package's (adtopk_ps/wire/payloads.py and checks.py).
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -29,12 +28,7 @@ CODECS = ("dense", "fibre", "coo", "seeded")
 
 
 class PayloadError(ValueError):
-    """A payload (or its frames) is malformed; the message says how."""
-
-
-def seed_for(name: str, step: int, base: int = 0) -> int:
-    """A seed that every process derives identically from a tensor name and step."""
-    return (zlib.crc32(f"{name}:{step}".encode()) ^ (base * 0x9E3779B1)) & 0x7FFFFFFF
+    """A payload is malformed (or, from a peer, fails the wire's checks); the message says how."""
 
 
 @dataclass
@@ -67,12 +61,6 @@ class Payload:
     def count(self) -> int:
         """Number of values carried."""
         return self.values.numel()
-
-    @property
-    def nbytes(self) -> int:
-        """Exact bytes this payload puts on the wire: its header fields, values, indices and row set."""
-        from ..wire.payloads import payload_nbytes  # the wire format sits above the data type
-        return payload_nbytes(self)
 
     def positions(self) -> torch.Tensor:
         """Flat or axis-1 positions as int64, ready for scatter."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from .base import Compressor, flat_of, global_k
-from .payload import Payload, seed_for
-from .seeded import seeded_values
+from .payload import Payload
+from .seeded import seed_for, seeded_values
 from .select import all_finite
 
 

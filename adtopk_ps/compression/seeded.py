@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import zlib
 
 import torch
 
@@ -32,6 +33,11 @@ _M64 = 0xFFFFFFFFFFFFFFFF
 MAX_K = 1 << 31
 MAX_NUMEL = 1 << 47
 _BLOCK = 1024
+
+
+def seed_for(name: str, step: int, base: int = 0) -> int:
+    """A seed that every process derives identically from a tensor name and step."""
+    return (zlib.crc32(f"{name}:{step}".encode()) ^ (base * 0x9E3779B1)) & 0x7FFFFFFF
 
 
 def seed_keys(seed: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ _MIN_GROUP, _MAX_GROUP = 4, 8
 # The compiled kernel (_fibre.c) needs 4k groups of at least 4 entries per fibre; below
 # that share of a fibre the torch selections measured as fast anyway.
 _MAX_KERNEL_SHARE = 1 / 16
-# dtypes numpy can partition (it has no bfloat16)
+# the wire's float dtypes (adtopk_ps/dtypes.py) that numpy can partition: it has no bfloat16
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 

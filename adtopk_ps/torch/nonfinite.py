@@ -14,7 +14,7 @@ send the NaN again.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from typing import Callable
 
 from ..client import Handle
 from ..compression import Compressor
@@ -34,14 +34,6 @@ def check_policy(policy: object) -> str:
     if policy not in POLICIES:
         raise ValueError(f"nonfinite must be one of {list(POLICIES)}, got {policy!r}")
     return policy
-
-
-def forget_residuals(compressor: Compressor | None, names: Iterable[str]) -> None:
-    """Drop the error-feedback residuals of every partition (``name#i``) of these tensors."""
-    memory = getattr(compressor, "memory", None)
-    if memory is not None:
-        names = set(names)
-        memory.forget([part for part in memory.residuals if part.rpartition("#")[0] in names])
 
 
 class NonFiniteGuard:
@@ -88,7 +80,8 @@ class NonFiniteGuard:
              members: Callable[[str], list[str]]) -> None:
         """The found step is dropped: warn, and forget the residuals that took it."""
         log.warning("worker %d: %s; step skipped (nonfinite='skip')", rank, self.describe(members))
-        forget_residuals(compressor, self.found)
+        if compressor is not None:
+            compressor.forget(self.found)
         self.skipped += 1
         self.in_a_row += 1
         if self.in_a_row >= MAX_SKIPS_IN_A_ROW:

@@ -48,7 +48,7 @@ def one_input(data: bytes) -> None:
         return
     try:
         msg = wire.decode(frames, max_bytes=1 << 20)
-        if msg.op == "push" and msg.payload is not None:
+        if msg.op == wire.Op.PUSH and msg.payload is not None:
             Aggregator(2, max_bytes=1 << 22).push(msg.key, msg.round, msg.sender, msg.payload,
                                                    owned=True)
     except (wire.WireError, PushRejected):
@@ -61,15 +61,15 @@ def write_seeds(directory: Path) -> None:
     x = torch.randn(6, 20)
     for name in ("none", "adtopk", "topk", "randomk"):
         comp = create(name) if name == "none" else create(name, ratio=0.2)
-        frames = wire.encode("push", key=3, round=0, sender=1, payload=comp.compress(x, "t", 0))
+        frames = wire.encode(wire.Op.PUSH, key=3, round=0, sender=1, payload=comp.compress(x, "t", 0))
         (directory / name).write_bytes(pack([bytes(f) for f in frames]))
     for name, rows, live in (("adtopk-bitmap", 6, [1, 3, 4]), ("adtopk-list", 40, [5, 33])):
         y = torch.zeros(rows, 20)
         y[live] = torch.randn(len(live), 20)  # the zero rows are left out: a row set frame
-        frames = wire.encode("push", key=3, round=0, sender=1,
+        frames = wire.encode(wire.Op.PUSH, key=3, round=0, sender=1,
                              payload=create("adtopk", ratio=0.2).compress(y, "t", 0))
         (directory / name).write_bytes(pack([bytes(f) for f in frames]))
-    (directory / "heartbeat").write_bytes(pack([bytes(wire.encode("heartbeat")[0])]))
+    (directory / "heartbeat").write_bytes(pack([bytes(wire.encode(wire.Op.HEARTBEAT)[0])]))
 
 
 if __name__ == "__main__":
