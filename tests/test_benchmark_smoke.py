@@ -39,10 +39,16 @@ def test_compression_benchmark_in_job_compares_adtopk_and_topk_on_the_job_partit
         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     # every tensor the policy sends sparse, with the partitions the client cuts it into
     # (Linear(2048, 1024): 8 MiB in partitions of 500 rows, the last of 24)
+    # (then each compressor's wire bytes per step)
     assert re.search(r"^\| classifier\.1\.weight \| \(1024, 2048\) \| \(24, 2048\), \(500, 2048\) "
-                     r"\| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \|$", out, re.M), out
+                     r"\| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+ \| [\d,]+ \| [\d,]+ \|$",
+                     out, re.M), out
     assert not re.search(r"^\| (features\.0|[\w.]+\.bias) ", out, re.M)  # dense: not compressed
-    assert re.search(r"^\| total \| \| \| [\d.]+ .* \| [\d.]+ \([\d.]+-[\d.]+\) \|$", out, re.M), out
+    total = re.search(r"^\| total \| \| \| [\d.]+ .* \| [\d.]+ \([\d.]+-[\d.]+\) \| ([\d,]+) \| ([\d,]+) \|$",
+                      out, re.M)
+    assert total, out
+    adtopk, topk = (int(v.replace(",", "")) for v in total.groups())
+    assert 0 < adtopk < topk, out  # narrower positions per fibre, and no dead rows
 
 
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
