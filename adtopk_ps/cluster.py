@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import torch
 
 from .env import EnvError, env_int
+from .stop import stop_quietly_on_signals
 
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
@@ -103,6 +104,22 @@ class ClusterConfig:
         program chooses (``python -m worker``: INFO)."""
         if self.verbose is not None:
             logging.getLogger("adtopk_ps").setLevel(LOG_LEVELS[min(self.verbose, len(LOG_LEVELS) - 1)])
+
+
+def start_role(role: str) -> ClusterConfig:
+    """What the scheduler's and a server's process do first: log INFO with timestamps, end
+    with one line on SIGINT or SIGTERM, read the role's configuration from the environment
+    (``EnvError`` names a missing or bad variable) and apply ``PS_VERBOSE``.
+
+    Example::
+
+        config = start_role("server")
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop_quietly_on_signals(role)
+    config = ClusterConfig.from_env(role=role)
+    config.apply_verbosity()
+    return config
 
 
 def node_host(env: Mapping[str, str]) -> str:

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 import zmq
 
 from . import wire
-from .cluster import ClusterConfig
+from .cluster import ClusterConfig, start_role
 from .env import EnvError
 from .liveness import RECONNECT_GRACE, ConnectionTable
-from .stop import stop_quietly_on_signals
 from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
 from .wire import Op
 
@@ -289,12 +288,8 @@ class Scheduler:
 
 def main() -> int:
     """The scheduler process: configured from the environment, returns its exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop_quietly_on_signals("scheduler")
     try:
-        config = ClusterConfig.from_env(role="scheduler")
-        config.apply_verbosity()
-        scheduler = Scheduler(config)
+        scheduler = Scheduler(start_role("scheduler"))
     except EnvError as exc:
         print(f"scheduler: {exc}", file=sys.stderr)
         return 2

@@ -16,10 +16,9 @@ import torch
 import zmq
 
 from adtopk_ps import wire
-from adtopk_ps.cluster import ClusterConfig
+from adtopk_ps.cluster import ClusterConfig, start_role
 from adtopk_ps.compression import Compressor, create
 from adtopk_ps.env import env_int
-from adtopk_ps.stop import stop_quietly_on_signals
 from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket, send
 from adtopk_ps.wire import Op
 
@@ -164,11 +163,8 @@ class Server:
 
 def main() -> int:
     """The server process: configured from the environment, returns its exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop_quietly_on_signals("server")
     try:
-        config = ClusterConfig.from_env(role="server")
-        config.apply_verbosity()
+        config = start_role("server")
         limits = ServerLimits.from_env()
         resparsify = resparsifier_from_env()
         threads = env_int("BYTEPS_SERVER_ENGINE_THREAD", 1, minimum=1)

@@ -193,14 +193,6 @@ def test_mutated_frames_decode_correctly_or_raise_wire_error(name, data):
     assert tuple(dense.shape) == back.shape
 
 
-@given(st.lists(st.binary(max_size=64), max_size=4))
-def test_random_frames_never_crash_the_decoder(frames):
-    try:
-        wire.decode(frames)
-    except wire.WireError:
-        pass
-
-
 @given(st.sampled_from(["none", "topk", "adtopk", "randomk"]), st.integers(1, 5))
 def test_write_into_with_a_divisor_equals_dividing_afterwards(name, divisor):
     x = torch.randn(12, 20, generator=torch.Generator().manual_seed(divisor))
