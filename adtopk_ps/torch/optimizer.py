@@ -21,7 +21,7 @@ from ..compression.cost import synchronize
 from .agreement import agree, describe
 from .compression import EveryTensor, compressor_of, is_cast
 from .dense_lane import DenseLane, Group, Reduction, check_transport, worker_group
-from .fusion import fusion_bytes, plan_buckets
+from .fusion import Bucket, fusion_bytes, plan_buckets
 from .objects import allgather_object
 from .ops import Average, averages
 from .nonfinite import NonFiniteGuard
@@ -248,8 +248,22 @@ class _Distributed:
         self._compression.routes = plan.routes
         if plan.layout is None:
             plan.layout = self._lay_out(plan.prefix)
-        self._buckets, self._bucket_of, self._lane = plan.layout
         self._plan = plan
+
+    @property
+    def _buckets(self) -> list[Bucket]:
+        """The current plan's fused buckets."""
+        return self._plan.layout.buckets
+
+    @property
+    def _bucket_of(self) -> dict[int, Bucket]:
+        """The current plan's bucket of each bucketed parameter, by ``id``."""
+        return self._plan.layout.bucket_of
+
+    @property
+    def _lane(self) -> DenseLane | None:
+        """The current plan's all-reduce lane, None where dense tensors go through the servers."""
+        return self._plan.layout.lane
 
     def _lay_out(self, prefix: str) -> Layout:
         """Buckets and the all-reduce lane for the current routes; declares what the servers

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..compression.payload import PayloadError
-from ..dtypes import FLOAT_DTYPES, index_dtype, wire_name
+from ..dtypes import WIRE_DTYPES, index_dtype, wire_name
 
 if TYPE_CHECKING:
     from ..compression.payload import Payload
@@ -29,7 +29,7 @@ ROW_SETS = ("bitmap", "list")
 def _name(dtype: torch.dtype) -> str:
     name = wire_name(dtype)
     if name is None:
-        raise PayloadError(f"dtype {dtype} is not supported; valid: {sorted(FLOAT_DTYPES)}")
+        raise PayloadError(f"dtype {dtype} is not supported; valid: {sorted(WIRE_DTYPES)}")
     return name
 
 
