@@ -64,6 +64,9 @@ def main():
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         grads = run(ddp, opt, batches, lambda: None)
         grads = [{n.removeprefix("module."): g for n, g in step.items()} for step in grads]
+        # both past their last collective before either closes its connections (gloo aborts
+        # a process whose peer hangs up under a collective in flight)
+        dist.barrier()
         dist.destroy_process_group()
     torch.save(grads, f"{out}/{mode}{rank}.pt")
 
