@@ -125,7 +125,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         rank, timed = dist.get_rank(), ddp_rounds(args, system, work)
     result.update(timed)
-    if gloo:
+    if gloo:  # both past their last collective before either closes (gloo aborts otherwise)
+        dist.barrier()
         dist.destroy_process_group()
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
