@@ -3,23 +3,46 @@
 ``push_pull`` returns at once with a handle; the engine thread (client_engine.py)
 compresses, sends and collects the answers. ``declare`` gives a tensor its key
 layout (cluster.py's ``KeyLayout``), which every worker must give in the same order.
+
+``collective`` is the other way in, for calls that the workers' code may make
+differently: the scheduler first agrees the call by its name across every
+worker (coordinator.py), and only then does ``start`` push, under a key that
+comes from the name alone. A call that differs on one worker is refused on
+every worker, with the same error.
 """
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import zmq
 
+from . import wire
 from .client_engine import Engine, PushPullError
-from .cluster import ClusterConfig, KeyLayout
+from .cluster import ClusterConfig, KeyLayout, name_id
 from .compression import Compressor, Dense
 from .env import env_int
 from .transport import ClusterError, security
-from .wire import Op
 
-__all__ = ["Handle", "PSClient", "PushPullError"]
+__all__ = ["Agreement", "CollectiveError", "Handle", "PSClient", "PushPullError"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective refused on every worker alike: the workers' calls differ, one worker's
+    side failed, a worker finished or waits elsewhere, or one joined. The job goes on."""
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the scheduler agreed for a collective: every worker's own part of its request
+    (by rank), the joined workers standing in with zeros, and the last worker to ask."""
+
+    own: dict[int, object]
+    standins: list[int]
+    last: int
 
 
 class Handle:
@@ -37,6 +60,19 @@ class Handle:
         # ranks whose push of this tensor held a NaN or an infinity (the servers' answers say,
         # alike on every worker): the result is not to be trusted
         self.nonfinite: set[int] = set()
+        self.reqid: int | None = None  # a collective's request, until the scheduler answers it
+        self.agreement: Agreement | None = None
+
+    def begin(self, out: torch.Tensor, parts: int, divisor: int, out_given: bool) -> None:
+        """An agreed collective's push starts: its answer goes to ``out`` in ``parts`` keys."""
+        self.out, self.parts, self._left = out, parts, parts
+        self.divisor, self.out_given = divisor, out_given
+
+    def complete(self, value: object = None) -> None:
+        """Complete the handle with ``value`` and no push (a barrier, a join)."""
+        self.out = value
+        self.completed_at = time.monotonic()
+        self._event.set()
 
     def done(self) -> bool:
         """Whether the answer is complete (or the push failed); never blocks."""
@@ -50,11 +86,24 @@ class Handle:
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         """The averaged (or summed) result; raises if the job failed or ``timeout`` passed."""
         timeout = self._client.timeout if timeout is None else timeout
+        if self.reqid is not None and not self._event.is_set():
+            self._wait_agreed(timeout)
         if not self._event.wait(timeout):
             raise TimeoutError(f"push_pull of {self.name!r} not answered within {timeout:.1f} s")
         if self._error is not None:
             raise self._error
         return self.out
+
+    def _wait_agreed(self, timeout: float) -> None:
+        """Wait for the scheduler's answer, having told it that this worker waits (so that a
+        call no other worker will make is refused rather than waited for)."""
+        reqid, engine = self.reqid, self._client.engine
+        if reqid is None:
+            return
+        engine.blocked(reqid, True)
+        if not self._event.wait(timeout) and self.reqid is not None:
+            engine.blocked(reqid, False)
+            raise TimeoutError(f"{self.name!r} not agreed by every worker within {timeout:.1f} s")
 
     def part_done(self) -> None:
         """One partition's answer is in ``out`` (the engine calls this): the last completes
@@ -86,8 +135,10 @@ class PSClient:
         self._ids: dict[str, int] = {}  # tensor ids by name, given at declaration or reservation
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
+        self._collectives: dict[str, Handle] = {}  # by name, the last collective of each
         self._closed = False
         self._engine = Engine(self.config, self.ctx)
+        self._engine.on_standin = self._stand_in
         try:
             self._engine.start()
         except BaseException:
@@ -98,6 +149,11 @@ class PSClient:
     def rank(self) -> int:
         """This worker's rank, as the scheduler gave it."""
         return self._engine.rank
+
+    @property
+    def engine(self) -> Engine:
+        """The engine thread's side of this connection."""
+        return self._engine
 
     @property
     def servers(self) -> list[str]:
@@ -158,15 +214,64 @@ class PSClient:
                             layout, compressor or Dense(), step, ratio)
         return handle
 
+    def collective(self, name: str, match: dict,
+                   start: Callable[[Agreement, Handle], None] | None = None, *,
+                   own: object = None, failed: str | None = None, standin: bool = False,
+                   release: bool = False) -> Handle:
+        """Agree a call named ``name`` with every worker, then run ``start`` (on the engine
+        thread) to push its data, typically through :meth:`push_agreed`.
+
+        ``match`` (msgpack-able) must be the same on every worker, or every worker's handle
+        fails with the same :class:`CollectiveError` naming each side; ``own`` is this
+        worker's part, which every worker receives in :attr:`Handle.agreement`; ``failed``
+        says that this worker's side of the call failed, and why (every worker's handle then
+        fails with it). ``standin``: a sum, to which a joined worker contributes zeros (``own`` is
+        then what it pushes: key name, wire dtype and shape). ``release``: a
+        worker that finishes is not waited for (a barrier). Without ``start`` the handle
+        completes with the agreement.
+
+        Example::
+
+            handle = client.collective("allreduce.loss", {"dtype": "float32", "shape": []})
+            handle.wait()      # raises CollectiveError if another worker called it otherwise
+        """
+        self.check()
+        last = self._collectives.get(name)
+        if last is not None and not last.done():
+            raise ValueError(f"a collective named {name!r} is still in flight on this worker; "
+                             f"synchronize it before using the name again")
+        handle = self._collectives[name] = Handle(self, name, None, 0, False)
+        fields = {"name": name, "match": match, "own": own, "failed": failed,
+                  "standin": standin, "release": release}
+        handle.reqid = self._engine.negotiate(fields, _Collective(handle, start))
+        return handle
+
+    def push_agreed(self, handle: Handle, key_name: str, tensor: torch.Tensor,
+                    compressor: Compressor | None = None, divisor: int = 1,
+                    out: torch.Tensor | None = None, priority: int | None = None) -> None:
+        """Push an agreed collective's ``tensor`` under ``key_name``, whose key comes from
+        the name alone; ``handle`` completes with the sum divided by ``divisor``."""
+        layout = self._declare(key_name, tensor, name_id(key_name))
+        given = out is not None
+        if not given:
+            out = torch.empty(layout.shape, dtype=layout.dtype, device=tensor.device)
+        step = self._steps.get(key_name, 0)
+        self._steps[key_name] = step + 1
+        handle.begin(out, len(layout.keys), divisor, given)
+        self._engine.submit(-layout.id if priority is None else priority, handle,
+                            tensor.detach(), layout, compressor or Dense(), step, None)
+
+    def _stand_in(self, fields: dict) -> None:
+        """A joined worker's zeros for a sum the others agreed (the engine thread calls this)."""
+        key_name, dtype, shape = fields["push"]
+        zeros = torch.zeros(shape, dtype=getattr(torch, dtype))
+        handle = Handle(self, key_name, None, 0, False)
+        self.push_agreed(handle, key_name, zeros)
+
     def barrier(self, timeout: float | None = None) -> None:
-        """Wait until every worker has reached this barrier."""
-        self.check()
-        done = threading.Event()
-        self._engine.command(Op.BARRIER, done)
-        timeout = self.timeout if timeout is None else timeout
-        if not done.wait(timeout):
-            raise TimeoutError(f"barrier not reached by every worker within {timeout:.1f} s")
-        self.check()
+        """Wait until every worker has reached this barrier (a worker that finished is not
+        waited for)."""
+        self.collective(".barrier", {"kind": "barrier"}, release=True).wait(timeout)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Tell the scheduler this worker is done and stop the engine."""
@@ -205,13 +310,40 @@ class PSClient:
         """
         return self._declare(name, tensor).id
 
-    def _declare(self, name: str, tensor: torch.Tensor) -> KeyLayout:
+    def _declare(self, name: str, tensor: torch.Tensor, tensor_id: int | None = None) -> KeyLayout:
         layout = self._layouts.get(name)
         shape = tuple(tensor.shape)
         if layout is None:
-            layout = KeyLayout.of(self.reserve(name), tensor, self.config.partition_bytes)
+            tensor_id = self.reserve(name) if tensor_id is None else tensor_id
+            layout = KeyLayout.of(tensor_id, tensor, self.config.partition_bytes)
             self._layouts[name] = layout
         elif layout.shape != shape or layout.dtype != tensor.dtype:
             raise ValueError(f"tensor {name!r} was declared as {layout.dtype} {layout.shape}, "
                              f"now pushed as {tensor.dtype} {shape}")
         return layout
+
+
+class _Collective:
+    """A collective waiting for the scheduler's answer (client_engine's ``Negotiation``)."""
+
+    def __init__(self, handle: Handle, start: Callable[[Agreement, Handle], None] | None):
+        self.handle, self.start = handle, start
+
+    def answered(self, msg: wire.Message) -> None:
+        handle, x = self.handle, msg.extra
+        handle.reqid = None
+        if not x.get("ok"):
+            handle.fail(CollectiveError(x.get("message", f"{handle.name} refused")))
+            return
+        handle.agreement = Agreement({int(r): v for r, v in x.get("own", {}).items()},
+                                     list(x.get("standins", [])), int(x.get("last", -1)))
+        if self.start is None:
+            handle.complete(handle.agreement)
+            return
+        try:
+            self.start(handle.agreement, handle)
+        except Exception as exc:  # noqa: BLE001 - the caller's synchronize() raises it
+            handle.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        self.handle.fail(error)

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
 import torch
 import zmq
@@ -56,6 +56,16 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
 
 class PushPullError(RuntimeError):
     """A server refused one of this worker's pushes."""
+
+
+class Negotiation(Protocol):
+    """A call waiting for the scheduler's agreement."""
+
+    def answered(self, msg: wire.Message) -> None:
+        """The scheduler's answer (on the engine thread)."""
+
+    def fail(self, error: BaseException) -> None:
+        """The engine ended before the answer came."""
 
 
 @dataclass(order=True)
@@ -95,7 +105,12 @@ class Engine:
         self._jobs: list[Job] = []
         self._in_hand: Job | None = None  # between the queue and the wire
         self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
-        self._commands: list[tuple[Op, threading.Event | None]] = []
+        self._commands: list[tuple[Op, int, dict]] = []
+        # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
+        # the engine thread; its ``fail`` if the engine ends first)
+        self._agreements: dict[int, Negotiation] = {}
+        self._reqids = itertools.count(1)
+        self.on_standin: Callable[[dict], None] | None = None  # the client's, for join()
         self._seq = itertools.count()
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(ctx, zmq.PULL)
@@ -124,17 +139,33 @@ class Engine:
         if wake:
             self._poke()
 
-    def command(self, op: Op, done: threading.Event | None = None) -> None:
-        """Queue a barrier (``done`` is set once every worker reached it) or this worker's
-        finish; either goes out behind every push queued before it."""
+    def negotiate(self, fields: dict, call: "Negotiation") -> int:
+        """Ask the scheduler to agree a collective (coordinator.py); ``call.answered`` gets its
+        answer, on the engine thread. The request goes out behind every push queued before
+        it. Returns the request id."""
         with self.lock:
-            self._commands.append((op, done))
+            reqid = next(self._reqids)
+            self._agreements[reqid] = call
+            self._commands.append((Op.NEGOTIATE, reqid, fields))
+        self._poke()
+        return reqid
+
+    def blocked(self, reqid: int, waiting: bool) -> None:
+        """Tell the scheduler that the caller now waits for request ``reqid`` (or no longer)."""
+        with self.lock:
+            self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting}))
+        self._poke()
+
+    def finish(self) -> None:
+        """Queue this worker's finish, behind every push and request queued before it."""
+        with self.lock:
+            self._commands.append((Op.FINISH, 0, {}))
         self._poke()
 
     def stop(self, timeout: float) -> None:
         """Finish (if the thread still runs) and wait up to ``timeout`` for the thread to end."""
         if self._thread.is_alive():
-            self.command(Op.FINISH)
+            self.finish()
             self._thread.join(timeout)
         self._wake_out.close(0)
 
@@ -184,14 +215,12 @@ class Engine:
         for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
-        barriers: list[tuple[int, threading.Event]] = []
-        barrier_seq = 0
         finishing = False
         tick_ms = int(self.config.heartbeat_interval * 1000)
         while True:
             for sock, _ in poller.poll(tick_ms):
                 if sock is link.sock:
-                    link.handle(link.sock.recv_multipart(copy=False))
+                    self._on_scheduler(link.handle(link.sock.recv_multipart(copy=False)))
                 elif sock is self._wake_in:
                     for _ in drain(self._wake_in):
                         pass
@@ -200,13 +229,13 @@ class Engine:
                         self._on_answer(which[sock], frames)
             with self.lock:
                 commands, self._commands = self._commands, []
-            # every push queued before a barrier or finish was queued goes out before it
+            # every push queued before a request or finish was queued goes out before it
             self._launch(servers)
-            for op, event in commands:
-                if op == Op.BARRIER:
-                    barrier_seq += 1
-                    link.barrier(barrier_seq)
-                    barriers.append((barrier_seq, event))
+            for op, reqid, fields in commands:
+                if op == Op.NEGOTIATE:
+                    link.negotiate(reqid, fields)
+                elif op == Op.BLOCKED:
+                    link.block(reqid, fields["waiting"])
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
@@ -215,13 +244,23 @@ class Engine:
                         send(sock, marker)
                     link.finish()
                     finishing = True
-            for seq, event in [b for b in barriers if b[0] <= link.barrier_done]:
-                barriers.remove((seq, event))
-                event.set()
+            self._launch(servers)  # what an agreement or a stand-in queued
             if finishing and link.shutdown:
                 return
             link.tick()
             self._check_servers(watches, finishing)
+
+    def _on_scheduler(self, msg: wire.Message) -> None:
+        """An answer to a request (its callback runs here), or a stand-in for join()."""
+        if msg.op == Op.AGREED:
+            with self.lock:
+                answered = self._agreements.pop(msg.round, None)
+            if answered is None:
+                raise ClusterError(f"the scheduler answered request {msg.round}, which this "
+                                   f"worker did not make")
+            answered.answered(msg)
+        elif msg.op == Op.STANDIN and self.on_standin is not None:
+            self.on_standin(msg.extra)
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
         """Raise when a server's connection closed for good; once this worker has finished,
@@ -299,7 +338,10 @@ class Engine:
             if self._in_hand is not None:
                 jobs.append(self._in_hand)
                 self._in_hand = None
+            calls, self._agreements = list(self._agreements.values()), {}
         for job in jobs:
             job.handle.fail(error)
         for part in self._inflight.values():
             part.handle.fail(error)
+        for call in calls:
+            call.fail(error)

@@ -11,6 +11,8 @@ listens) are the scheduler's, in scheduler.py; a node's side of that exchange
 """
 from __future__ import annotations
 
+import hashlib
+
 import logging
 import math
 import os
@@ -163,6 +165,12 @@ def make_key(tensor_id: int, partition: int) -> int:
     if not 0 <= partition < 1 << PARTITION_BITS:
         raise ValueError(f"partition {partition} does not fit in {PARTITION_BITS} bits")
     return (tensor_id << PARTITION_BITS) + partition
+
+
+def name_id(name: str) -> int:
+    """The tensor id of a collective, from its name alone (never from how many calls came
+    before it): 40 bits of its hash, above every id given in declaration order."""
+    return (1 << 40) | int.from_bytes(hashlib.blake2b(name.encode(), digest_size=5).digest(), "big")
 
 
 def djb2(text: str) -> int:

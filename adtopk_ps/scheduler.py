@@ -1,7 +1,8 @@
-"""The scheduler role: membership, the address book, barriers and liveness.
+"""The scheduler role: membership, the address book, agreeing collectives, and liveness.
 
 It waits for DMLC_NUM_SERVER servers and DMLC_NUM_WORKER workers, gives
-every node its rank and the servers' addresses, answers heartbeats, and
+every node its rank and the servers' addresses, agrees every collective by
+name before its data moves (coordinator.py), answers heartbeats, and
 when a node's connection closes (it crashed or was killed) or it goes
 silent (it hangs) tells everyone which one, so the job ends with a clear
 error instead of a hang. When every worker has finished it tells the
@@ -21,6 +22,7 @@ import zmq
 
 from . import wire
 from .cluster import ClusterConfig, start_role
+from .coordinator import Coordinator, Outgoing
 from .env import EnvError
 from .liveness import RECONNECT_GRACE, ConnectionTable
 from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
@@ -49,7 +51,7 @@ class Node:
 
 
 class Scheduler:
-    """The scheduler's state: the nodes, the barriers in progress and who has finished."""
+    """The scheduler's state: the nodes, the collectives being agreed and who has finished."""
 
     def __init__(self, config: ClusterConfig, ctx: zmq.Context | None = None):
         self.config = config
@@ -60,8 +62,7 @@ class Scheduler:
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
-        self.barrier_seq = 0
-        self.barrier_waiting: set[bytes] = set()
+        self.coordinator = Coordinator(config.num_workers)
 
     def run(self) -> int:
         """Serve until every worker has finished (0) or a node is lost (non-zero)."""
@@ -130,8 +131,8 @@ class Scheduler:
         elif msg.op == Op.HEARTBEAT:
             # until the job starts, a waiting node learns who else is there
             self._reply(identity, Op.HEARTBEAT, **({} if self.started else self._progress()))
-        elif msg.op == Op.BARRIER:
-            return self._barrier(node)
+        elif msg.op in (Op.NEGOTIATE, Op.BLOCKED) and node.role == "worker":
+            self._negotiate(node, msg)
         elif msg.op == Op.FINISH:
             return self._finish(node)
         else:
@@ -200,26 +201,45 @@ class Scheduler:
         self.started = True
         log.info("all %d node(s) registered; job started", len(self.nodes))
 
-    def _barrier(self, node: Node) -> bool:
-        self.barrier_waiting.add(node.identity)
-        self._release_barrier()
-        return False
+    def _negotiate(self, node: Node, msg: wire.Message) -> None:
+        """A worker's request for a collective, or word that it waits for one."""
+        x = msg.extra
+        if msg.op == Op.BLOCKED:
+            if x.get("waiting", True):
+                self._deliver(self.coordinator.block(node.rank, msg.round))
+            else:
+                self.coordinator.unblock(node.rank, msg.round)
+            return
+        name, match, failed = x.get("name"), x.get("match", {}), x.get("failed")
+        if not isinstance(name, str) or not name or not isinstance(match, dict) or \
+                not isinstance(failed, (str, type(None))):
+            self._reply(node.identity, Op.AGREED, round=msg.round, ok=False, name=str(name),
+                        message=f"malformed negotiate: name {name!r:.60}, match {match!r:.60}")
+            return
+        self._deliver(self.coordinator.request(
+            node.rank, msg.round, name, match, x.get("own"), failed,
+            bool(x.get("standin", False)), bool(x.get("release", False))))
 
-    def _release_barrier(self) -> None:
-        """A barrier holds the workers that have not finished; when the last one missing
-        finishes instead, the ones waiting go on."""
-        live = [n for n in self.nodes.values() if n.role == "worker" and not n.finished]
-        if self.barrier_waiting and all(n.identity in self.barrier_waiting for n in live):
-            self.barrier_seq += 1
-            for identity in self.barrier_waiting:
-                self._reply(identity, Op.BARRIER_DONE, round=self.barrier_seq)
-            self.barrier_waiting.clear()
+    def _deliver(self, messages: list[Outgoing]) -> None:
+        by_rank = {n.rank: n for n in self.nodes.values() if n.role == "worker"}
+        for out in messages:
+            node = by_rank.get(out.rank)
+            if node is None or node.finished:
+                continue
+            if out.op == "agreed":
+                fields = dict(out.fields)
+                if not fields.get("ok"):
+                    log.warning("refused %s", fields.get("message"))
+                self._reply(node.identity, Op.AGREED, round=fields.pop("reqid"), **fields)
+            else:
+                self._reply(node.identity, Op.STANDIN, **out.fields)
 
     def _finish(self, node: Node) -> bool:
         node.finished = True
         self._reply(node.identity, Op.SHUTDOWN)
         log.info("%s finished", node.label)
-        self._release_barrier()
+        if node.role == "worker":
+            self._deliver(self.coordinator.finished(node.rank))
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
             for n in self.nodes.values():
                 if n.role == "server":

@@ -87,7 +87,6 @@ class SchedulerLink:
         self.book: dict = {}
         self.progress: dict = {}  # who has registered so far, while we wait for the book
         self.shutdown = False
-        self.barrier_done = 0
         self._last_heard = self._last_sent = time.monotonic()
         self._server_id = {"server_id": env_int("PS_SERVER_ID", minimum=0)} \
             if config.role == "server" and os.environ.get("PS_SERVER_ID", "").strip() else {}
@@ -176,8 +175,6 @@ class SchedulerLink:
             raise ClusterError(f"the scheduler refused this node: {msg.extra.get('message')}")
         elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
-        elif msg.op == Op.BARRIER_DONE:
-            self.barrier_done = msg.round
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:
@@ -197,9 +194,14 @@ class SchedulerLink:
                                f"{now - self._last_heard:.1f} s (timeout "
                                f"{self.config.heartbeat_timeout:.1f} s); ending the job")
 
-    def barrier(self, seq: int) -> None:
-        """Enter barrier ``seq``; the scheduler answers once every worker has entered it."""
-        self._send(Op.BARRIER, round=seq)
+    def negotiate(self, reqid: int, fields: dict) -> None:
+        """Ask the scheduler to agree a collective (coordinator.py); it answers ``agreed``
+        with ``reqid`` as the round."""
+        self._send(Op.NEGOTIATE, round=reqid, **fields)
+
+    def block(self, reqid: int, waiting: bool) -> None:
+        """Say that this worker now waits for request ``reqid`` (or no longer does)."""
+        self._send(Op.BLOCKED, round=reqid, waiting=waiting)
 
     def finish(self) -> None:
         """Tell the scheduler this node is done, so its going quiet is not a loss."""

@@ -32,10 +32,10 @@ def test_control_message_round_trips():
 
 
 def test_ops_travel_as_strings_and_decode_to_the_enum():
-    header = msgpack.unpackb(wire.encode(wire.Op.BARRIER, round=2)[0])
-    assert header["op"] == "barrier" and type(header["op"]) is str  # the wire carries the value
-    msg = wire.decode([msgpack.packb({**header, "op": "barrier_done"})])
-    assert msg.op is wire.Op.BARRIER_DONE
+    header = msgpack.unpackb(wire.encode(wire.Op.NEGOTIATE, round=2)[0])
+    assert header["op"] == "negotiate" and type(header["op"]) is str  # the wire carries the value
+    msg = wire.decode([msgpack.packb({**header, "op": "agreed"})])
+    assert msg.op is wire.Op.AGREED
     with pytest.raises(ValueError, match="'explode' is not a valid Op"):
         wire.encode("explode")
 

@@ -1,6 +1,8 @@
 """Python objects across workers: one root's to every worker, or every worker's to all.
 
-Both travel through the parameter servers as push_pulls. Bytes go as
+Both are agreed by name across the workers first (the root and every
+worker's byte count travel with the agreement), then travel through the
+parameter servers as one push_pull. Bytes go as
 float32 holding 16-bit integers, which sums with zeros leave exact (raw
 float bit patterns would not survive: -0.0 + 0.0 is 0.0). Objects are
 pickled, so, as in byteps and horovod, every worker trusts what the others
@@ -12,6 +14,8 @@ import pickle
 
 import torch
 
+from ..client import Agreement, Handle
+from .ops import collective_name, key_name, refuse_everywhere
 from .runtime import client
 
 
@@ -28,27 +32,35 @@ def _bytes(words: torch.Tensor, length: int) -> bytes:
     return words.to(torch.int32).to(torch.int16).numpy().tobytes()[:length]
 
 
-def _sum(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    return client().push_pull(tensor, name, average=False).wait()
-
-
 def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None) -> object:
     """The root's ``obj`` on every worker (any picklable object). As in byteps and horovod,
-    the root is trusted: the others unpickle what it sends.
+    the root is trusted: the others unpickle what it sends. An object that does not pickle,
+    or a root out of range, is refused on every worker alike.
 
     Example::
 
         args = bps.broadcast_object(args, root_rank=0)   # an argparse.Namespace, say
     """
     c = client()
-    if not 0 <= root_rank < c.size:
-        raise ValueError(f"root_rank {root_rank} is not a worker rank (0..{c.size - 1})")
-    name = "broadcast.object" + (f".{name}" if name else "")
-    blob = pickle.dumps(obj) if c.rank == root_rank else b""
-    length = int(_sum(torch.tensor([float(len(blob))], dtype=torch.float64), f"{name}.length").item())
-    # a fresh name per size: a name's shape is fixed once declared
-    got = _sum(_words(blob, length), f"{name}.{length}")
-    return pickle.loads(_bytes(got, length))
+    name = collective_name("broadcast_object", name)
+    try:
+        if not isinstance(root_rank, int) or not 0 <= root_rank < c.size:
+            raise ValueError(f"broadcast_object: root_rank {root_rank!r} is not a worker rank "
+                             f"(0..{c.size - 1})")
+        blob = pickle.dumps(obj) if c.rank == root_rank else b""
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types; all are refusals
+        refuse_everywhere(name, exc if isinstance(exc, (TypeError, ValueError))
+                          else TypeError(f"broadcast_object: cannot pickle the object: {exc}"))
+
+    def start(agreement: Agreement, handle: Handle) -> None:
+        length = int(agreement.own[root_rank])
+        words = _words(blob, length)
+        c.push_agreed(handle, key_name(name, words.dtype, tuple(words.shape)), words)
+
+    got = c.collective(name, {"kind": "broadcast_object", "root": root_rank}, start,
+                       own=len(blob) if c.rank == root_rank else None)
+    words = got.wait()
+    return pickle.loads(_bytes(words, int(got.agreement.own[root_rank])))
 
 
 def allgather_object(obj: object, name: str | None = None) -> list:
@@ -59,13 +71,19 @@ def allgather_object(obj: object, name: str | None = None) -> list:
         found = bps.allgather_object(os.path.exists(path))   # [True, False] on each worker
     """
     c = client()
-    name = "allgather.object" + (f".{name}" if name else "")
-    blob = pickle.dumps(obj)
-    lengths = torch.zeros(c.size, dtype=torch.float64)
-    lengths[c.rank] = len(blob)
-    lengths = [int(n) for n in _sum(lengths, f"{name}.lengths").tolist()]
-    width = (max(lengths) + 1) // 2
-    table = torch.zeros(c.size, width, dtype=torch.float32)
-    table[c.rank, :(len(blob) + 1) // 2] = _words(blob, len(blob))
-    got = _sum(table, f"{name}.{width}")
-    return [pickle.loads(_bytes(got[r], lengths[r])) for r in range(c.size)]
+    name = collective_name("allgather_object", name)
+    try:
+        blob = pickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - pickling raises many types; all are refusals
+        refuse_everywhere(name, TypeError(f"allgather_object: cannot pickle the object: {exc}"))
+
+    def start(agreement: Agreement, handle: Handle) -> None:
+        width = (max(int(agreement.own[r]) for r in range(c.size)) + 1) // 2
+        table = torch.zeros(c.size, width, dtype=torch.float32)
+        table[c.rank, :(len(blob) + 1) // 2] = _words(blob, len(blob))
+        c.push_agreed(handle, key_name(name, table.dtype, tuple(table.shape)), table)
+
+    got = c.collective(name, {"kind": "allgather_object"}, start, own=len(blob))
+    table = got.wait()
+    lengths = [int(got.agreement.own[r]) for r in range(c.size)]
+    return [pickle.loads(_bytes(table[r], lengths[r])) for r in range(c.size)]

@@ -12,33 +12,37 @@ integer and bool tensors travel as float64, exact while every sum stays
 below 2**53, and come back in their dtype. An integer average is the floor
 of the sum over the workers, as byteps and horovod do.
 
-Names: an operation named ``x`` uses the server key ``<kind>.x`` (``byteps``,
+Names: an operation named ``x`` is the collective ``<kind>.x`` (``byteps``,
 ``allreduce``, ``broadcast``, ``allgather``), so the same name in two kinds
 of call does not collide. An unnamed one (where byteps and horovod allow
-that) gets a name from the order of unnamed calls of its kind, dtype and
-shape, cycling through :data:`UNNAMED_KEYS` keys, so every worker must make
-its unnamed calls in one order, as horovod requires too.
+that) is named by the order of this worker's unnamed calls of its kind, as in
+horovod. Every call is first agreed by its name across the workers (the
+scheduler's coordinator): a call whose dtype, shape, op, root or compression
+differs on one worker, or that failed on one worker's side, is refused on
+every worker with the same :class:`~adtopk_ps.client.CollectiveError`, and
+the next call works. Its data then travels under a key made from the name,
+dtype and shape alone, never from how many calls came before it.
 """
 from __future__ import annotations
 
 import enum
 import itertools
-import time
 import weakref
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 
-from ..client import Handle, PSClient
+from ..client import Agreement, CollectiveError, Handle, PSClient
 from ..compression import Compressor, SparsificationPolicy
 from ..dtypes import FLOAT_DTYPES
 from .compression import Compression, compressor_of, is_cast
+from ..coordinator import JOIN
+from .agreement import compressor_label
 from .runtime import client
 
 FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
 EXACT = 1 << 53  # float64 holds every integer below this
-UNNAMED_KEYS = 16  # server keys an unnamed call of one kind, dtype and shape cycles through
 
 
 class ReduceOp(enum.IntEnum):
@@ -75,7 +79,7 @@ def averages(op: object = None, average: bool | None = None) -> bool:
 @dataclass
 class _Op:
     handle: Handle
-    finish: Callable[[torch.Tensor], torch.Tensor]
+    finish: Callable[[torch.Tensor, Handle], torch.Tensor]
 
 
 class _Table:
@@ -85,7 +89,6 @@ class _Table:
         self.ops: dict[int, _Op] = {}
         self.ids = itertools.count(1)
         self.unnamed: dict[str, int] = {}
-        self.slots: dict[str, Handle] = {}
 
 
 _tables: "weakref.WeakKeyDictionary[PSClient, _Table]" = weakref.WeakKeyDictionary()
@@ -117,28 +120,39 @@ def _wire(tensor: object, what: str, size: int) -> torch.Tensor:
                      f"{[str(d) for d in FLOATS]}, integer types and bool")
 
 
-def _signature(wire: torch.Tensor, shape: tuple[int, ...]) -> str:
-    return f"{str(wire.dtype).removeprefix('torch.')}.{'x'.join(map(str, shape)) or 'scalar'}"
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for torch.float32: how requests and key names spell a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
-def _key(table: _Table, kind: str, name: str | None, signature: str) -> str:
-    """The server key of a call: ``kind.name``, or for an unnamed call the next of its
-    signature's keys (waiting, if need be, for that key's previous use to be answered)."""
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty string, got {name!r}")
-        return f"{kind}.{name}"
-    sig = f"{kind}.noname.{signature}"
-    n = table.unnamed.get(sig, 0)
-    table.unnamed[sig] = n + 1
-    key = f"{sig}.{n % UNNAMED_KEYS}"
-    previous = table.slots.get(key)
-    if previous is not None and not previous.done():
-        try:
-            previous.wait()
-        except Exception:  # noqa: BLE001 - its own synchronize() reports it
-            pass
-    return key
+def key_name(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
+    """The key a collective's data travels under: its name, the dtype and shape it travels in
+    (so that a name used again with another shape gets another key)."""
+    return f"{name}|{dtype_name(dtype)}|{'x'.join(map(str, shape)) or 'scalar'}"
+
+
+def collective_name(kind: str, name: str | None) -> str:
+    """``kind.name``; an unnamed call is named by how many unnamed calls of its kind this
+    worker made before it (horovod's rule: every worker makes its unnamed calls in one order).
+    Every call so named is agreed, so a worker whose call failed on its side still counts it."""
+    if name is None:
+        table = _table(client())
+        n = table.unnamed.get(kind, 0)
+        table.unnamed[kind] = n + 1
+        return f"{kind}.noname.{n}"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return f"{kind}.{name}"
+
+
+def refuse_everywhere(name: str, error: BaseException) -> None:
+    """This worker's side of collective ``name`` failed: every other worker's call of it is
+    refused with the reason, once each has made it; then ``error`` is raised here."""
+    try:
+        client().collective(name, {}, failed=f"{type(error).__name__}: {error}").wait()
+    except (CollectiveError, TimeoutError):
+        pass
+    raise error
 
 
 def _route(compressor: Compressor | None, wire: torch.Tensor) -> Compressor | None:
@@ -149,46 +163,64 @@ def _route(compressor: Compressor | None, wire: torch.Tensor) -> Compressor | No
     return None if SparsificationPolicy(compressor.ratio).route(wire).dense else compressor
 
 
-def _submit(key: str | None, tensor: torch.Tensor, *, what: str, average: bool,
-            compression: object = None, priority: int | None = None, inplace: bool = False,
-            root: int | None = None, kind: str = "", name: str | None = None,
-            scale: tuple[float, float] = (1.0, 1.0)) -> int:
-    """Start one push_pull; returns its handle. ``root``: only that rank contributes (a
-    broadcast). ``key`` None: ``kind`` and ``name`` make it (see :func:`_key`)."""
-    c = client()
-    compressor = compressor_of(compression)
-    wire = _wire(tensor, what, c.size)
-    integral = wire.dtype != tensor.dtype
-    if integral and average and tensor.dtype == torch.bool:
-        raise ValueError(f"{what}: the average of a bool tensor is not defined; use op=Sum")
-    pre, post = scale
-    if integral and (pre, post) != (1.0, 1.0):
-        raise ValueError(f"{what}: prescale/postscale factors apply to floating tensors only, "
-                         f"got {tensor.dtype}")
-    if root is not None and not 0 <= root < c.size:
-        raise ValueError(f"root_rank {root} is not a worker rank (0..{c.size - 1})")
+def _register(c: PSClient, handle: Handle,
+              finish: Callable[[torch.Tensor, Handle], torch.Tensor]) -> int:
     table = _table(c)
-    unnamed = key is None and name is None
-    if key is None:
-        key = _key(table, kind, name, _signature(wire, tuple(tensor.shape)))
+    ident = next(table.ids)
+    table.ops[ident] = _Op(handle, finish)
+    return ident
+
+
+def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: object = None,
+            priority: int | None = None, inplace: bool = False, root: int | None = None,
+            kind: str = "", name: str | None = None, full_name: str | None = None,
+            scale: tuple[float, float] = (1.0, 1.0)) -> int:
+    """Start one agreed sum; returns its handle. ``root``: only that rank contributes (a
+    broadcast). ``full_name`` is used as it is; otherwise ``kind`` and ``name`` make it (see
+    :func:`collective_name`). Anything wrong on this worker's side is refused on every
+    worker (:func:`refuse_everywhere`)."""
+    c = client()
+    name = full_name or collective_name(kind, name)
+    try:
+        compressor = compressor_of(compression)
+        wire = _wire(tensor, what, c.size)
+        integral = wire.dtype != tensor.dtype
+        if integral and average and tensor.dtype == torch.bool:
+            raise ValueError(f"{what}: the average of a bool tensor is not defined; use op=Sum")
+        if root is not None and (not isinstance(root, int) or not 0 <= root < c.size):
+            raise ValueError(f"{what}: root_rank {root!r} is not a worker rank (0..{c.size - 1})")
+    except (TypeError, ValueError) as exc:
+        refuse_everywhere(name, exc)
+    pre, post = scale
     send = wire
     if root is not None and c.rank != root:
         send = torch.zeros_like(wire)
-    elif pre != 1.0:
+    elif pre != 1.0 and not integral:
         send = wire * pre
+    route = None if integral else _route(compressor, send)
     # a contiguous floating tensor in place receives the answer in its own memory
     direct = inplace and not integral and send.data_ptr() == tensor.data_ptr()
-    handle = c.push_pull(send, key, None if integral else _route(compressor, send),
-                         average=average and not integral, priority=priority,
-                         out=tensor.detach() if direct else None)
-    if unnamed:
-        table.slots[key] = handle
+    key = key_name(name, send.dtype, tuple(send.shape))
+    match = {"kind": what.rstrip("_"), "dtype": dtype_name(tensor.dtype),
+             "shape": list(tensor.shape), "op": "average" if average else "sum",
+             "scale": [pre, post], "root": root,
+             "compression": "none" if route is None else compressor_label(route)}
 
-    def finish(result: torch.Tensor) -> torch.Tensor:
+    def start(agreement: Agreement, handle: Handle) -> None:
+        contributors = c.size - len(agreement.standins)
+        c.push_agreed(handle, key, send, route, contributors if average and not integral else 1,
+                      tensor.detach() if direct else None, priority)
+
+    handle = c.collective(name, match, start, own=[key, dtype_name(send.dtype), list(send.shape)],
+                          standin=root is None)
+
+    def finish(result: torch.Tensor, handle: Handle) -> torch.Tensor:
         if integral:
+            if (pre, post) != (1.0, 1.0):  # horovod scales integers in float64
+                result = result * (pre * post)
             result = result.to(tensor.dtype)
             if average:
-                result = result.floor_divide_(c.size)
+                result = result.floor_divide_(c.size - len(handle.agreement.standins))
         elif post != 1.0:
             result = result.mul_(post)
         if inplace and result.data_ptr() != tensor.data_ptr():
@@ -196,9 +228,7 @@ def _submit(key: str | None, tensor: torch.Tensor, *, what: str, average: bool,
                 tensor.copy_(result)
         return tensor if inplace else result
 
-    ident = next(table.ids)
-    table.ops[ident] = _Op(handle, finish)
-    return ident
+    return _register(c, handle, finish)
 
 
 def poll(handle: int) -> bool:
@@ -215,7 +245,7 @@ def synchronize(handle: int) -> torch.Tensor:
         averaged = bps.synchronize(h)
     """
     op = _op(handle, pop=True)
-    return op.finish(op.handle.wait())
+    return op.finish(op.handle.wait(), op.handle)
 
 
 def _op(handle: int, pop: bool) -> _Op:
@@ -245,7 +275,7 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
                     ) -> int:
     """Start summing (or averaging) ``tensor`` over every worker; ``tensor`` is not modified.
     Returns a handle for :func:`poll` and :func:`synchronize`. ``version`` is byteps' and unused."""
-    return _submit(None, tensor, what="push_pull_async", average=average, compression=compression,
+    return _submit(tensor, what="push_pull_async", average=average, compression=compression,
                    priority=_byteps_priority(priority), kind="byteps", name=name)
 
 
@@ -253,7 +283,7 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
                             version: int = 0, priority: int = 0, staleness: int = 0) -> int:
     """Like :func:`push_pull_async`, the result written into ``tensor``."""
     _no_staleness(staleness)
-    return _submit(None, tensor, what="push_pull_async_inplace", average=average,
+    return _submit(tensor, what="push_pull_async_inplace", average=average,
                    priority=_byteps_priority(priority), inplace=True, kind="byteps", name=name)
 
 
@@ -286,7 +316,7 @@ class _Reduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, spec: _Reduction) -> torch.Tensor:
         ctx.spec = spec
-        return synchronize(_submit(None, tensor, what=spec.what, average=spec.average,
+        return synchronize(_submit(tensor, what=spec.what, average=spec.average,
                                    compression=spec.compression, priority=spec.priority,
                                    kind=spec.kind, name=spec.name, scale=spec.scale))
 
@@ -314,12 +344,11 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
 
 
 def declare(name: str, staleness: int = 0) -> int:
-    """Give ``name`` its place in the key order now, before its first push_pull; every worker
-    must declare in one order (byteps' ``declare``)."""
+    """byteps' ``declare``: checks ``name``. Keys come from names alone here, so the order in
+    which workers declare (or do not) changes nothing."""
     _no_staleness(staleness)
     if not isinstance(name, str) or not name:
         raise ValueError(f"declare needs a name, got {name!r}")
-    client().reserve(f"byteps.{name}")
     return 0
 
 
@@ -329,7 +358,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: object = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0) -> int:
     """Start averaging (``op=Average``, the default) or summing ``tensor`` over every worker."""
-    return _submit(None, tensor, what="allreduce_async", average=averages(op, average),
+    return _submit(tensor, what="allreduce_async", average=averages(op, average),
                    kind="allreduce", name=name, scale=(prescale_factor, postscale_factor))
 
 
@@ -337,7 +366,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: object = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> int:
     """Like :func:`allreduce_async`, the result written into ``tensor``."""
-    return _submit(None, tensor, what="allreduce_async_", average=averages(op, average),
+    return _submit(tensor, what="allreduce_async_", average=averages(op, average),
                    inplace=True, kind="allreduce", name=name,
                    scale=(prescale_factor, postscale_factor))
 
@@ -369,13 +398,13 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Start copying the root's ``tensor`` to every worker (a new tensor on each)."""
-    return _submit(None, tensor, what="broadcast_async", average=False, root=root_rank,
+    return _submit(tensor, what="broadcast_async", average=False, root=root_rank,
                    kind="broadcast", name=name)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Like :func:`broadcast_async`, the root's value written into ``tensor``."""
-    return _submit(None, tensor, what="broadcast_async_", average=False, root=root_rank,
+    return _submit(tensor, what="broadcast_async_", average=False, root=root_rank,
                    inplace=True, kind="broadcast", name=name)
 
 
@@ -387,13 +416,14 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = allreduce(grad, op=Sum)
-        return (summed if client().rank == ctx.root_rank else torch.zeros_like(summed)), None, None
+        averaged = allreduce(grad, op=Average)  # horovod's gradient of a broadcast
+        return (averaged if client().rank == ctx.root_rank else torch.zeros_like(averaged)), \
+            None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """The root's ``tensor`` on every worker, as a new tensor; differentiable (the root's
-    gradient is the sum of every worker's).
+    gradient is the average of every worker's, as in horovod).
 
     Example::
 
@@ -407,38 +437,53 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def _allgather_start(tensor: torch.Tensor, name: str | None) -> tuple[int, int, int]:
-    """Start an allgather; returns its handle, this worker's first row in the result and
-    its row count."""
+def _allgather_start(tensor: torch.Tensor, name: str | None) -> int:
+    """Start an allgather: the workers agree the dtype and every dimension but the first, and
+    learn each other's first dimension; each pushes a table with its own rows filled."""
     c = client()
-    t = tensor.unsqueeze(0) if tensor.dim() == 0 else tensor
-    wire = _wire(t, "allgather", c.size)
-    base = _key(_table(c), "allgather", name, _signature(wire, tuple(t.shape[1:])))
-    rows = torch.zeros(c.size, dtype=torch.float64)
-    rows[c.rank] = t.shape[0]
-    counts = [int(n) for n in c.push_pull(rows, f"{base}.rows", average=False).wait().tolist()]
-    offset = sum(counts[:c.rank])
-    table = torch.zeros((sum(counts), *t.shape[1:]), dtype=wire.dtype, device=wire.device)
-    table[offset:offset + t.shape[0]] = wire
-    handle = _submit(f"{base}.{sum(counts)}", table, what="allgather", average=False)
-    op = _table(c).ops[handle]
-    if wire.dtype != t.dtype:  # back to the caller's dtype
-        inner = op.finish
-        op.finish = lambda result: inner(result).to(t.dtype)
-    return handle, offset, t.shape[0]
+    name = collective_name("allgather", name)
+    try:
+        t = tensor.unsqueeze(0) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
+        wire = _wire(t, "allgather", c.size)
+    except (TypeError, ValueError) as exc:
+        refuse_everywhere(name, exc)
+    match = {"kind": "allgather", "dtype": dtype_name(t.dtype), "shape[1:]": list(t.shape[1:])}
+
+    def start(agreement: Agreement, handle: Handle) -> None:
+        counts = [int(agreement.own[r]) for r in range(c.size)]
+        offset = sum(counts[:c.rank])
+        table = torch.zeros((sum(counts), *t.shape[1:]), dtype=wire.dtype, device=wire.device)
+        table[offset:offset + t.shape[0]] = wire
+        c.push_agreed(handle, key_name(name, table.dtype, tuple(table.shape)), table)
+
+    def finish(result: torch.Tensor, handle: Handle) -> torch.Tensor:
+        return result.to(t.dtype)
+
+    handle = c.collective(name, match, start, own=int(t.shape[0]))
+    return _register(c, handle, finish)
+
+
+def _rows(handle: Handle) -> tuple[int, int]:
+    """An agreed allgather's first row and row count on this worker."""
+    counts = [int(handle.agreement.own[r]) for r in range(len(handle.agreement.own))]
+    rank = client(paused_ok=True).rank
+    return sum(counts[:rank]), counts[rank]
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
     """Start concatenating every worker's ``tensor`` along dimension 0 (first dimensions may
     differ between workers, the others must not)."""
-    return _allgather_start(tensor, name)[0]
+    return _allgather_start(tensor, name)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        handle, ctx.offset, ctx.rows = _allgather_start(tensor, name)
-        return synchronize(handle)
+        ident = _allgather_start(tensor, name)
+        handle = _op(ident, pop=False).handle
+        result = synchronize(ident)
+        ctx.offset, ctx.rows = _rows(handle)
+        return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -462,12 +507,8 @@ def barrier() -> None:
 
 
 def join(device: int = -1) -> int:
-    """Wait until every worker has joined; returns the rank of the last to join (by the
-    workers' clocks). Unlike horovod's, workers that joined do not stand in for the others'
-    allreduces: every worker must make the same collective calls."""
-    c = client()
-    arrived = torch.zeros(c.size, dtype=torch.float64)
-    arrived[c.rank] = time.time()
-    times = c.push_pull(arrived, "join.arrivals", average=False).wait()
-    return int(torch.argmax(times))
-
+    """Wait until every worker has joined; returns the rank of the last to join, the same on
+    every worker. While a worker waits here, the others' allreduces and push_pulls go on
+    with it standing in with zeros (an average is over the workers that took part); any
+    other collective they call is refused on each of them, as in horovod."""
+    return client().collective(JOIN, {"kind": "join"}).wait().last

@@ -28,14 +28,14 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         items = sorted(params.items(), key=lambda kv: kv[0])
     else:
         items = [p if isinstance(p, tuple) else (str(i), p) for i, p in enumerate(params)]
+    items = [(name, value) for name, value in items if value is not None]  # as horovod skips them
     for name, value in items:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
                             f"not a tensor")
-    # the shape in the key: two models' state_dicts share names ("0.weight") but not shapes
-    handles = [_submit(f"{prefix}.{name}.{'x'.join(map(str, value.shape))}", value,
-                       what=f"broadcast_parameters ({name!r})", average=False, root=root_rank,
-                       inplace=True) for name, value in items]
+    handles = [_submit(value, what=f"broadcast_parameters ({name!r})", average=False,
+                       root=root_rank, inplace=True, full_name=f"{prefix}.{name}")
+               for name, value in items]
     for handle in handles:
         synchronize(handle)
 

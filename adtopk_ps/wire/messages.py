@@ -36,8 +36,10 @@ class Op(str, Enum):
     RESULT = "result"  # server -> worker: the round's sum
     REGISTER = "register"  # node -> scheduler: who it is and where it listens
     ADDRESSBOOK = "addressbook"  # scheduler -> node: its rank and the servers' addresses
-    BARRIER = "barrier"  # worker -> scheduler: it entered barrier ``round``
-    BARRIER_DONE = "barrier_done"  # scheduler -> worker: every worker entered it
+    NEGOTIATE = "negotiate"  # worker -> scheduler: request ``round`` for a collective, by name
+    AGREED = "agreed"  # scheduler -> worker: request ``round`` agreed (or refused, and why)
+    BLOCKED = "blocked"  # worker -> scheduler: it now waits for request ``round`` (or no longer)
+    STANDIN = "standin"  # scheduler -> joined worker: push zeros for this agreed sum
     HEARTBEAT = "heartbeat"  # node <-> scheduler: still here (and, before the start, who is)
     FINISH = "finish"  # worker -> scheduler and servers: no push of its is left to come
     SHUTDOWN = "shutdown"  # scheduler -> node: the job is over

@@ -1,0 +1,215 @@
+"""The scheduler's collective coordinator: every collective is agreed by name before any data moves.
+
+horovod's coordinator, for a parameter server. A worker that starts a
+collective (an allreduce, a broadcast, an allgather, a barrier, a join)
+first sends the scheduler a request naming it, with what must match across
+the workers (``match``: kind, dtype, shape, root, op, ...) and what is its
+own (``own``: its first dimension, its object's length). Once every worker
+that must take part has asked for that name, the coordinator compares the
+``match`` of each and answers all of them at once: agreed (with every
+worker's ``own``), or refused, naming the name and each worker's side. No
+worker is left waiting for a partner that sent something else, and since a
+refused call never reaches the servers, no later key is shifted.
+
+A worker whose own side of a call failed (an object that does not pickle, a
+root rank out of range) still asks, with ``failed``: the others get its
+reason with the same refusal, when the last of them asks.
+
+Three ways a name can be waited for that will never come, each answered at
+once rather than left to a timeout:
+
+- a worker finished (its process ended) without asking: refused, naming it
+  (a barrier instead goes on without it, as byteps' does);
+- every worker that must take part is blocked waiting for a call that some
+  other one has not made (each says so when its wait begins): the calls they
+  wait in are refused, each naming who waits where;
+- a worker has joined (horovod's ``join``): a sum goes on with that worker
+  standing in with zeros (it is told to push them, as the ``own`` part of the
+  sum's first request describes); any other kind is refused.
+
+The coordinator is plain state: it returns the messages to send, and the
+scheduler sends them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+JOIN = ".join"  # the name join() negotiates
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One message for a worker: ``op`` is "agreed" or "standin"."""
+
+    rank: int
+    op: str
+    fields: dict
+
+
+@dataclass
+class Request:
+    """One worker's request for a name."""
+
+    reqid: int
+    match: dict
+    own: object = None
+    failed: str | None = None
+
+
+@dataclass
+class Item:
+    """A name being negotiated: who asked, with what, and how absent workers are treated."""
+
+    name: str
+    standin: bool  # a joined worker takes part by pushing zeros (a sum)
+    release: bool  # a finished worker is not waited for (a barrier); otherwise the call fails
+    requests: dict[int, Request] = field(default_factory=dict)
+    order: list[int] = field(default_factory=list)  # ranks in the order they asked
+
+
+def describe(value: object) -> str:
+    """A field's value as messages show it: lists as tuples (shapes read as shapes)."""
+    if isinstance(value, list):
+        return "(" + ", ".join(describe(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    return str(value)
+
+
+class Coordinator:
+    """Pending collectives of one job, by name, for ``num_workers`` worker ranks."""
+
+    def __init__(self, num_workers: int):
+        self.active: set[int] = set(range(num_workers))  # ranks that have not finished
+        self.items: dict[str, Item] = {}
+        self.blocked: dict[int, str] = {}  # rank -> the name it waits in
+        self.agreed = 0  # names agreed so far
+        self.refused = 0  # names refused so far
+
+    def request(self, rank: int, reqid: int, name: str, match: dict, own: object = None,
+                failed: str | None = None, standin: bool = False,
+                release: bool = False) -> list[Outgoing]:
+        """Worker ``rank`` asks for ``name``. A second request for a name it already has in
+        flight is refused at once (to that worker only: the first stays pending)."""
+        item = self.items.get(name)
+        if item is not None and rank in item.requests:
+            return [self._refusal(rank, reqid, name, f"{name!r} is already in flight on worker "
+                                  f"{rank}; a name can be used again once its call is done")]
+        if item is None:
+            item = self.items[name] = Item(name, standin, release)
+        item.requests[rank] = Request(reqid, match, own, failed)
+        item.order.append(rank)
+        if name == JOIN:
+            self.blocked[rank] = JOIN
+        return self._settle()
+
+    def block(self, rank: int, reqid: int) -> list[Outgoing]:
+        """Worker ``rank`` now waits for its request ``reqid`` (ignored if already answered)."""
+        for item in self.items.values():
+            req = item.requests.get(rank)
+            if req is not None and req.reqid == reqid:
+                self.blocked[rank] = item.name
+                return self._settle()
+        return []
+
+    def unblock(self, rank: int, reqid: int) -> None:
+        """Worker ``rank`` stopped waiting for ``reqid`` (its wait timed out)."""
+        name = self.blocked.get(rank)
+        item = self.items.get(name) if name is not None else None
+        if item is not None and item.requests.get(rank, Request(-1, {})).reqid == reqid:
+            del self.blocked[rank]
+
+    def finished(self, rank: int) -> list[Outgoing]:
+        """Worker ``rank`` is done: it will ask for nothing more."""
+        self.active.discard(rank)
+        self.blocked.pop(rank, None)
+        return self._settle(finished=rank)
+
+    # ------------------------------------------------------------------ settling
+
+    def _joined(self) -> set[int]:
+        item = self.items.get(JOIN)
+        return set(item.requests) & self.active if item is not None else set()
+
+    def _settle(self, finished: int | None = None) -> list[Outgoing]:
+        """Answer every name that can be answered now; then, if every active worker waits
+        and nothing can move, refuse the names they wait in."""
+        out: list[Outgoing] = []
+        progress = True
+        while progress:
+            progress = False
+            for item in list(self.items.values()):
+                verdict = self._verdict(item, finished)
+                if verdict is not None:
+                    out += self._close(item, *verdict)
+                    progress = True
+        if not out and self.active and all(r in self.blocked for r in self.active):
+            out += self._break_deadlock()
+        return out
+
+    def _verdict(self, item: Item, finished: int | None) -> tuple[str | None, list[int]] | None:
+        """None while ``item`` must wait; else (refusal or None for agreed, stand-in ranks)."""
+        if item.name == JOIN:
+            return (None, []) if self.active <= set(item.requests) else None
+        asked = set(item.requests)
+        joined = self._joined() - asked
+        if finished is not None and finished not in asked and not item.release:
+            return f"worker {finished} finished without calling it", []
+        if joined and not item.standin:
+            return (f"worker(s) {sorted(joined)} called join(); only a sum (allreduce, "
+                    f"push_pull) goes on with joined workers standing in"), []
+        if not (self.active - joined) <= asked:
+            return None
+        failures = [f"worker {r}: {req.failed}" for r, req in sorted(item.requests.items())
+                    if req.failed is not None]
+        if failures:
+            return "; ".join(failures), []
+        return self._mismatch(item), sorted(joined)
+
+    def _mismatch(self, item: Item) -> str | None:
+        """Every field on which the requests differ, with each worker's value; None if none."""
+        ranks = sorted(item.requests)
+        keys = sorted({k for r in ranks for k in item.requests[r].match})
+        differ = [k for k in keys if len({describe(item.requests[r].match.get(k)) for r in ranks}) > 1]
+        if not differ:
+            return None
+        sides = "; ".join(
+            f"{k}: " + ", ".join(f"worker {r} {describe(item.requests[r].match.get(k, '(none)'))}"
+                                  for r in ranks) for k in differ)
+        return f"the workers' calls differ ({sides})"
+
+    def _close(self, item: Item, refusal: str | None, standins: list[int]) -> list[Outgoing]:
+        del self.items[item.name]
+        for rank in item.requests:
+            if self.blocked.get(rank) == item.name:
+                del self.blocked[rank]
+        if refusal is not None:
+            self.refused += 1
+            return [self._refusal(r, req.reqid, item.name, refusal)
+                    for r, req in item.requests.items()]
+        self.agreed += 1
+        own = {str(r): req.own for r, req in item.requests.items()}
+        last = item.order[-1] if item.order else -1
+        out = [Outgoing(r, "agreed", {"reqid": req.reqid, "name": item.name, "ok": True,
+                                      "own": own, "standins": standins, "last": last})
+               for r, req in item.requests.items()]
+        push = next(iter(item.requests.values())).own  # a sum's own part: what it pushes
+        out += [Outgoing(r, "standin", {"name": item.name, "push": push}) for r in standins]
+        return out
+
+    def _refusal(self, rank: int, reqid: int, name: str, why: str) -> Outgoing:
+        return Outgoing(rank, "agreed", {"reqid": reqid, "name": name, "ok": False,
+                                         "message": f"{name}: {why}"})
+
+    def _break_deadlock(self) -> list[Outgoing]:
+        """Every active worker waits, and no name can be answered: each name waited in lacks a
+        worker that waits elsewhere. Those names are refused, each saying who waits where."""
+        waits = {r: self.blocked[r] for r in sorted(self.active)}
+        where = ", ".join(f"worker {r} waits in {n!r}" for r, n in waits.items())
+        out: list[Outgoing] = []
+        for name in dict.fromkeys(waits.values()):
+            item = self.items.get(name)
+            if item is None or name == JOIN:
+                continue
+            missing = sorted(self.active - set(item.requests))
+            out += self._close(item, f"it can never complete: worker(s) {missing} have not called "
+                                     f"it and wait elsewhere ({where})", [])
+        return out
