@@ -20,13 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import Mapping, Sequence
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
 
 from . import security
 from .allocator import keep_freed_memory
@@ -113,8 +116,9 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     lock = threading.Lock()
+    formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
     children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),
-                      {**base, "DMLC_ROLE": "scheduler"}, lock)]
+                      {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed)}, lock)]
     children += [Child(f"server {i}", _python_module("server"),
                        {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
@@ -122,16 +126,27 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
                        {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
                         "PS_DEVICE_INDEX": str(i)}, lock)
                  for i in range(num_workers)]
-    return supervise(children, grace, timeout)
+    try:
+        return supervise(children, grace, timeout, workers=children[-num_workers:],
+                         formed=formed.exists)
+    finally:
+        shutil.rmtree(formed.parent, ignore_errors=True)
 
 
 USAGE_ERROR = 2  # what our roles and the training job exit with on a usage or config error
 STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its children
 
 
-def supervise(children: list[Child], grace: float, timeout: float | None) -> int:
+def supervise(children: list[Child], grace: float, timeout: float | None,
+              workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
+
+    With ``workers`` and ``formed`` (whether the cluster has formed: ``--local``), the job
+    also ends when its workers end before the cluster formed: at once, with 0, when every
+    one exited 0 (none joined, so the scheduler and servers have nothing to wait for);
+    with a failure when some exited 0 and the others still wait ``grace`` later (they wait
+    in ``init()`` for workers that will never come).
 
     After the first failure the rest get ``grace`` seconds to end on their own (to report
     what they saw), unless it was a usage error (status 2): then they are stopped at once,
@@ -149,6 +164,8 @@ def supervise(children: list[Child], grace: float, timeout: float | None) -> int
         while job.running():
             now = time.monotonic()
             job.record_exits(now)
+            if formed is not None:
+                job.check_unformed(now, workers, formed)
             if interrupted and job.term_at is None:
                 name = signal.Signals(interrupted[0]).name
                 print(f"[bpslaunch] interrupted by {name}; stopping every role",
@@ -181,6 +198,7 @@ class _Supervision:
         self.stop_at: float | None = None
         self.term_at: float | None = None
         self.kill_at: float | None = None
+        self.unformed_since: float | None = None  # when a worker first ended before forming
 
     def running(self) -> bool:
         """Whether some child has not been seen to end."""
@@ -208,6 +226,26 @@ class _Supervision:
         else:
             print(f"[bpslaunch] {child.label} exited with status {child.code}",
                   file=sys.stderr, flush=True)
+
+    def check_unformed(self, now: float, workers: Sequence[Child],
+                       formed: Callable[[], bool]) -> None:
+        """Workers that ended before the cluster formed: see :func:`supervise`."""
+        ended = [w for w in workers if w.poll() is not None]
+        if not ended or self.failures or self.term_at is not None or formed():
+            return
+        if len(ended) == len(workers):
+            print(f"[bpslaunch] every worker exited 0 without joining the cluster (none called "
+                  f"init()); stopping the scheduler and the servers", file=sys.stderr, flush=True)
+            self.term_at = now
+            return
+        self.unformed_since = self.unformed_since or now
+        if now - self.unformed_since > self.grace:
+            gone = ", ".join(w.label for w in ended)
+            print(f"[bpslaunch] {gone} exited 0 without joining the cluster, and the other "
+                  f"workers have waited {self.grace:g} s for it in init(); the cluster cannot "
+                  f"form: stopping the job", file=sys.stderr, flush=True)
+            self.failures.append((now, 1))
+            self.term_at = now
 
     def check_deadline(self, now: float) -> None:
         """Past --timeout with nothing failed: a failure of its own (124), and the stop."""

@@ -200,6 +200,10 @@ class Scheduler:
                         num_workers=self.config.num_workers)
         self.started = True
         log.info("all %d node(s) registered; job started", len(self.nodes))
+        formed = os.environ.get("PS_FORMED_FILE", "").strip()  # bpslaunch --local watches it
+        if formed:
+            with open(formed, "w"):
+                pass
 
     def _negotiate(self, node: Node, msg: wire.Message) -> None:
         """A worker's request for a collective, or word that it waits for one."""
@@ -222,13 +226,15 @@ class Scheduler:
 
     def _deliver(self, messages: list[Outgoing]) -> None:
         by_rank = {n.rank: n for n in self.nodes.values() if n.role == "worker"}
+        logged = set()
         for out in messages:
             node = by_rank.get(out.rank)
             if node is None or node.finished:
                 continue
             if out.op == "agreed":
                 fields = dict(out.fields)
-                if not fields.get("ok"):
+                if not fields.get("ok") and fields["name"] not in logged:
+                    logged.add(fields["name"])
                     log.warning("refused %s", fields.get("message"))
                 self._reply(node.identity, Op.AGREED, round=fields.pop("reqid"), **fields)
             else:

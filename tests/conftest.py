@@ -3,6 +3,7 @@ import torch
 from hypothesis import settings
 
 import adtopk_ps.torch as bps
+from adtopk_ps.torch.runtime import close
 from procs import roles
 
 settings.register_profile("ci", deadline=None, max_examples=100, derandomize=False)
@@ -22,4 +23,4 @@ def session():
     with roles(1, 1) as (config, _):
         bps.init(config=config)
         yield
-        bps.shutdown()
+        close()

@@ -100,8 +100,8 @@ def _unpack(blob: torch.Tensor, like: list[Payload], sizes: list[list[int]]) -> 
             tensors.append(blob[at:at + n].view(dtype))
             at += n + _pad(n)
         values, indices, rows = tensors
-        if p.codec == "fibre":
-            shape = (p.view[0] if rows is None else rows.numel(), -1, *p.view[2:])
+        if p.codec == "fibre":  # (rows carried, kept per fibre, ...): every rank keeps as many
+            shape = (p.view[0] if rows is None else rows.numel(), p.values.shape[1], *p.view[2:])
             values, indices = values.view(shape), indices.view(shape)
         q = Payload(p.codec, p.shape, p.dtype, values, indices, p.view, p.seed, rows)
         check_positions(q)

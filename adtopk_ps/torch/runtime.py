@@ -21,10 +21,16 @@ from ..env import env_int
 
 
 class Membership:
-    """This worker's place in the job: the client, and whether it is paused."""
+    """This worker's place in the job: the client, and whether it is paused.
+
+    ``shutdown()`` then ``init()`` in one process (horovod's re-initialisation) gives back
+    the same connection, rank and size: leaving parks the connection (still heartbeating),
+    and only the process's exit finishes it, so the job ends when the worker processes do.
+    """
 
     def __init__(self) -> None:
         self._client: PSClient | None = None
+        self._parked: PSClient | None = None  # left, kept until the process exits
         self._suspended = False
         self._lock = threading.Lock()
 
@@ -36,18 +42,41 @@ class Membership:
     def join(self, config: ClusterConfig | None) -> None:
         """Connect to the cluster (once; later calls do nothing)."""
         with self._lock:
-            if self._client is None:
-                config = config or ClusterConfig.from_env(role="worker")
-                config.apply_verbosity()
-                self._client = PSClient(config)
-                self._suspended = False
-                atexit.register(self.leave)
+            if self._client is not None:
+                return
+            parked, self._parked = self._parked, None
+            if parked is not None and (config is None or config == parked.config):
+                parked.check()
+                self._client = parked
+                return
+            if parked is not None:  # another cluster: the old connection is done
+                parked.shutdown()
+            config = config or ClusterConfig.from_env(role="worker")
+            config.apply_verbosity()
+            self._client = PSClient(config)
+            self._suspended = False
+            atexit.register(self.close)
 
     def leave(self) -> None:
-        """Finish and close the connection."""
+        """Stop using the connection: what is in flight finishes, later calls are refused
+        until :meth:`join`, and the connection is finished when the process exits."""
         with self._lock:
             client, self._client, self._suspended = self._client, None, False
-        if client is not None:
+            if client is not None:
+                self._parked = client
+        if client is not None and client.engine.error is None:
+            try:
+                client.quiesce()
+            except TimeoutError:
+                pass
+
+    def close(self) -> None:
+        """Finish and close the connection (at the process's exit)."""
+        with self._lock:
+            clients = [c for c in (self._client, self._parked) if c is not None]
+            self._client = self._parked = None
+            self._suspended = False
+        for client in clients:
             client.shutdown()
 
     def client(self, paused_ok: bool = False) -> PSClient:
@@ -107,8 +136,16 @@ def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:
 
 
 def shutdown() -> None:
-    """Leave the cluster; the job ends once every worker has."""
+    """Leave the cluster: later calls are refused until :func:`init`, which gives back the
+    same rank and size. The job ends once every worker process has exited."""
     _membership.leave()
+
+
+def close() -> None:
+    """Finish this worker's part in the job now, as the process's exit would: the job ends
+    once every worker has finished. (:func:`shutdown` keeps the connection for a later
+    :func:`init`.)"""
+    _membership.close()
 
 
 def suspend() -> None:

@@ -1,0 +1,131 @@
+"""Collectives that differ or fail on one worker, one after another in one cluster, each
+followed by a call that must be right: run under ``bpslaunch --local --num-workers 3``.
+
+Every check prints ``worker R: <check> ok`` or ``worker R: <check> FAILED <why>``; a
+refusal must reach every worker, with the same text, in about a second.
+"""
+import sys
+import time
+
+import torch
+
+import adtopk_ps.torch as hvd
+from adtopk_ps.client import CollectiveError
+
+hvd.init()
+rank, size = hvd.rank(), hvd.size()
+REFUSAL_S = 3.0  # a loaded CI machine: a refusal must still come long before any timeout
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+
+
+def say(check, ok, why=""):
+    print(f"worker {rank}: {check} {'ok' if ok else 'FAILED ' + why}", flush=True)
+
+
+def refused(check, call, expect=CollectiveError, text=None):
+    """``call`` must raise ``expect`` within REFUSAL_S; the next allreduce must be right."""
+    began = time.monotonic()
+    try:
+        call()
+    except expect as exc:
+        took = time.monotonic() - began
+        ok = took < REFUSAL_S and (text is None or text in str(exc))
+        say(check, ok, f"took {took:.1f} s: {exc}")
+        mine = str(exc) if isinstance(exc, CollectiveError) and "wait elsewhere" not in str(exc) \
+            else None  # a deadlock's refusal names the call each worker waits in
+        texts = {t for t in hvd.allgather_object(mine, name=f"{check}.text") if t is not None}
+        say(f"{check} same text everywhere", len(texts) <= 1, str(texts))
+    except Exception as exc:  # noqa: BLE001 - the wrong error is a failure, named
+        say(check, False, f"raised {type(exc).__name__}: {exc}")
+    else:
+        say(check, False, "did not raise")
+    after = hvd.allreduce(torch.full((5,), float(rank)), op=hvd.Sum)
+    say(f"{check} then allreduce", torch.equal(after, torch.full((5,), float(sum(range(size))))),
+        str(after))
+
+
+refused("shape", lambda: hvd.allreduce(torch.ones(17 + rank, 17)), text="shape: worker 0 (17, 17)")
+refused("dtype", lambda: hvd.allreduce(torch.ones(4, dtype=torch.float64 if rank else torch.float32)),
+        text="dtype")
+refused("op", lambda: hvd.allreduce(torch.ones(3), op=hvd.Sum if rank == 1 else hvd.Average),
+        text="op")
+refused("root", lambda: hvd.broadcast(torch.ones(3), root_rank=rank), text="root")
+refused("allgather shape", lambda: hvd.allgather(torch.ones(2, 3 + (rank == 2))), text="shape[1:]")
+refused("root out of range on one", lambda: hvd.broadcast_(torch.ones(2), 5 if rank == 1 else 0),
+        expect=ValueError if rank == 1 else CollectiveError)
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object refuses to pickle")
+
+
+refused("unpicklable on the root", lambda: hvd.broadcast_object(
+    Unpicklable() if rank == 0 else None, root_rank=0),
+    expect=TypeError if rank == 0 else CollectiveError)
+refused("skipped call", lambda: hvd.allreduce(torch.ones(2), name=f"only-on-{rank}"),
+        text="wait elsewhere")
+
+# a duplicate name in flight is refused on the worker that makes it; the first call completes
+first = hvd.allgather_async(torch.full((1, 2), float(rank)), name="duplicate_name")
+try:
+    hvd.allgather_async(torch.ones(1, 2), name="duplicate_name")
+    say("duplicate name", False, "did not raise")
+except ValueError:
+    say("duplicate name", torch.equal(hvd.synchronize(first)[:, 0], torch.arange(size).float()))
+
+# an exception in the user's code between calls, on one worker: it makes its calls anyway
+try:
+    if rank == 1:
+        raise KeyError("the user's own bug")
+except KeyError:
+    pass
+say("after a user exception", hvd.broadcast(torch.tensor([rank]), root_rank=2).item() == 2)
+
+# join: the others' sums go on with the joined worker standing in; other kinds are refused
+if rank == 0:
+    last = hvd.join()
+else:
+    summed = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="join.sum")
+    say("sum beside join", torch.equal(summed, torch.full((3,), float(size - 1))), str(summed))
+    averaged = hvd.allreduce(torch.full((3,), float(rank)), name="join.average")
+    say("average beside join", torch.allclose(averaged, torch.full((3,), 1.5)), str(averaged))
+    try:
+        hvd.allgather(torch.ones(1), name="join.gather")
+        say("allgather beside join", False, "did not raise")
+    except CollectiveError as exc:
+        say("allgather beside join", "join()" in str(exc), str(exc))
+    last = hvd.join()
+say("join's last", hvd.allgather_object(last) == [last] * size and last != 0, str(last))
+
+# re-initialisation keeps rank and size
+hvd.shutdown()
+try:
+    hvd.allreduce(torch.ones(1))
+    say("call after shutdown", False, "did not raise")
+except RuntimeError:
+    say("call after shutdown", not hvd.is_initialized())
+hvd.init()
+say("reinit", (hvd.rank(), hvd.size()) == (rank, size))
+
+# keys do not depend on call order: worker 0 makes a call the others do not (each side is
+# refused once all wait), and the next calls still meet
+try:
+    hvd.allreduce(torch.ones(1), name="rank0.extra") if rank == 0 else hvd.barrier()
+    say("a call only worker 0 makes", False, "did not raise")
+except CollectiveError as exc:
+    say("a call only worker 0 makes", "wait elsewhere" in str(exc), str(exc))
+for i in range(ROUNDS):  # the racy ending, many times: refusal, then a right answer
+    try:
+        hvd.allreduce(torch.ones(2 + (rank == 1 and i % 2)), name="again")
+        mismatched = False
+    except CollectiveError:
+        mismatched = True
+    got = hvd.allreduce(torch.full((3,), float(i + rank)), op=hvd.Sum, name="again.after")
+    if mismatched != bool(i % 2) or not torch.equal(got, torch.full((3,), float(size * i + 3))):
+        say("repeated refusals", False, f"round {i}: mismatched {mismatched}, got {got}")
+        break
+else:
+    say("repeated refusals", True)
+hvd.barrier()
+say("done", True)

@@ -1,0 +1,35 @@
+"""Collectives agreed by name: calls that differ or fail on one worker are refused on every
+worker at once, and the cluster stays usable (horovod's suite runs whole in one cluster)."""
+import sys
+import time
+from pathlib import Path
+
+from procs import bpslaunch
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+PATIENT = {"PS_HEARTBEAT_TIMEOUT_MS": "10000", "PS_PUSH_PULL_TIMEOUT_S": "60"}
+CHECKS = 35  # lines each worker of collectives_check.py prints (worker 0, which joins at once: 3 fewer)
+
+
+def _lines(stdout, worker):
+    return [line.split(f"worker {worker}: ", 1)[1] for line in stdout.splitlines()
+            if f"] worker {worker}: " in line]
+
+
+def test_calls_that_differ_are_refused_everywhere_and_the_next_call_works():
+    """Shape, dtype, op, root, allgather's trailing shape, a root out of range on one worker,
+    an unpicklable object on the root, a call one worker skips, a duplicate name, join beside
+    sums, shutdown and init again, and 30 refusals each followed by a right answer; three
+    workers, two servers, one cluster throughout."""
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "2", "--",
+                       sys.executable, str(PROGRAMS / "collectives_check.py"), "30",
+                       env=PATIENT, timeout=240)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    for worker in range(3):
+        lines = _lines(out, worker)
+        failed = [line for line in lines if not line.endswith(" ok")]
+        assert not failed and len(lines) == CHECKS - (3 if worker == 0 else 0), (failed, len(lines))
+    # no refusal waited for a timeout: the whole program runs in seconds, not minutes
+    assert time.monotonic() - began < 150
