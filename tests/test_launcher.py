@@ -367,3 +367,26 @@ def test_a_bad_omp_num_threads_is_refused_before_any_role_starts(value):
     run = _run(["--local", "--", "true"], OMP_NUM_THREADS=value)
     assert run.returncode == 2
     assert "environment variable OMP_NUM_THREADS" in run.stderr and "scheduler" not in run.stdout
+
+
+@pytest.mark.parametrize("program", ["print('no cluster here')", "import sys; sys.exit(0)"])
+def test_workers_that_exit_0_without_joining_end_the_local_job_at_once(program):
+    """A script whose --help, argument error or early return comes before init()."""
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "2", "--", sys.executable, "-c", program,
+                       timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert "every worker exited 0 without joining the cluster" in result.stdout
+    assert time.monotonic() - began < 20
+
+
+def test_a_worker_that_exits_0_before_the_others_join_ends_the_job_as_a_failure():
+    """Worker 1 leaves before init(); worker 0 would wait in init() for it forever."""
+    program = ("import os, adtopk_ps.torch as bps\n"
+               "if os.environ['DMLC_WORKER_ID'] == '0': bps.init()\n")
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "2", "--", sys.executable, "-c", program,
+                       env={"PS_HEARTBEAT_TIMEOUT_MS": "1000"}, timeout=90)
+    assert result.returncode == 1, result.stdout[-2000:]
+    assert "worker 1 exited 0 without joining the cluster" in result.stdout
+    assert time.monotonic() - began < 40
