@@ -2,7 +2,8 @@
 
 ``push_pull`` returns at once with a handle; the engine thread (client_engine.py)
 compresses, sends and collects the answers. ``declare`` gives a tensor its key
-layout (cluster.py's ``KeyLayout``), which every worker must give in the same order.
+layout (cluster.py's ``KeyLayout``), whose keys come from the tensor's name,
+dtype and shape alone.
 
 ``collective`` is the other way in, for calls that the workers' code may make
 differently: the scheduler first agrees the call by its name across every
@@ -131,8 +132,8 @@ class PSClient:
         # a bad PS_CURVE_KEYS fails here, naming the variable
         self.encrypted = security(self.ctx).keys is not None
         self.size = self.config.num_workers
-        self._layouts: dict[str, KeyLayout] = {}
-        self._ids: dict[str, int] = {}  # tensor ids by name, given at declaration or reservation
+        self._layouts: dict[tuple, KeyLayout] = {}  # by name, dtype and shape
+        self._order: dict[str, int] = {}  # names in the order first declared: later goes first
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
         self._collectives: dict[str, Handle] = {}  # by name, the last collective of each
@@ -210,8 +211,8 @@ class PSClient:
             raise ValueError(f"out for {name!r} is {out.dtype} {tuple(out.shape)} on {out.device}; "
                              f"the tensor is {tensor.dtype} {tuple(tensor.shape)} on {tensor.device}")
         handle = self._last[name] = Handle(self, name, out, len(layout.keys), average, given)
-        self._engine.submit(-layout.id if priority is None else priority, handle, tensor.detach(),
-                            layout, compressor or Dense(), step, ratio)
+        self._engine.submit(self._priority(name, priority), handle, tensor.detach(), layout,
+                            compressor or Dense(), step, ratio)
         return handle
 
     def collective(self, name: str, match: dict,
@@ -251,15 +252,15 @@ class PSClient:
                     out: torch.Tensor | None = None, priority: int | None = None) -> None:
         """Push an agreed collective's ``tensor`` under ``key_name``, whose key comes from
         the name alone; ``handle`` completes with the sum divided by ``divisor``."""
-        layout = self._declare(key_name, tensor, name_id(key_name))
+        layout = self._declare(key_name, tensor)
         given = out is not None
         if not given:
             out = torch.empty(layout.shape, dtype=layout.dtype, device=tensor.device)
         step = self._steps.get(key_name, 0)
         self._steps[key_name] = step + 1
         handle.begin(out, len(layout.keys), divisor, given)
-        self._engine.submit(-layout.id if priority is None else priority, handle,
-                            tensor.detach(), layout, compressor or Dense(), step, None)
+        self._engine.submit(self._priority(key_name, priority), handle, tensor.detach(), layout,
+                            compressor or Dense(), step, None)
 
     def _stand_in(self, fields: dict) -> None:
         """A joined worker's zeros for a sum the others agreed (the engine thread calls this)."""
@@ -287,40 +288,39 @@ class PSClient:
         if self._closed:
             raise ClusterError("the parameter-server client has been shut down")
 
-    def reserve(self, name: str) -> int:
-        """Give ``name`` its tensor id before its shape is known (byteps' ``declare(name)``);
-        every worker must reserve and declare in the same order."""
-        return self._ids.setdefault(name, len(self._ids))
-
     def quiesce(self, timeout: float | None = None) -> None:
         """Wait until every push_pull started so far has its answer (or has failed: its own
         handle reports that)."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        for name, handle in list(self._last.items()):
+        for name, handle in [*self._last.items(), *self._collectives.items()]:
             if not handle.wait_done(max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"push_pull of {name!r} still in flight after {timeout:.1f} s")
 
     def declare(self, name: str, tensor: torch.Tensor) -> int:
-        """Give ``name`` its tensor id now; every worker must declare in the same order.
+        """Give ``name`` its key layout for ``tensor``'s dtype and shape now (the torch
+        integration declares every parameter at start); returns its tensor id.
 
-        A tensor first pushed without a declaration is declared then, so
-        workers whose first pushes come in different orders must declare
-        up front (the torch integration declares every parameter at start).
+        The id comes from the name, dtype and shape alone, never from what else was
+        declared or pushed before, so workers may declare in any order; a name pushed with
+        another shape gets another key.
         """
         return self._declare(name, tensor).id
 
-    def _declare(self, name: str, tensor: torch.Tensor, tensor_id: int | None = None) -> KeyLayout:
-        layout = self._layouts.get(name)
+    def _declare(self, name: str, tensor: torch.Tensor) -> KeyLayout:
         shape = tuple(tensor.shape)
+        layout = self._layouts.get((name, tensor.dtype, shape))
         if layout is None:
-            tensor_id = self.reserve(name) if tensor_id is None else tensor_id
+            tensor_id = name_id(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{shape}")
             layout = KeyLayout.of(tensor_id, tensor, self.config.partition_bytes)
-            self._layouts[name] = layout
-        elif layout.shape != shape or layout.dtype != tensor.dtype:
-            raise ValueError(f"tensor {name!r} was declared as {layout.dtype} {layout.shape}, "
-                             f"now pushed as {tensor.dtype} {shape}")
+            self._layouts[(name, tensor.dtype, shape)] = layout
+            self._order.setdefault(name, len(self._order))
         return layout
+
+    def _priority(self, name: str, priority: int | None) -> int:
+        """``priority``, or by declaration order: the later declared goes first (the backward
+        pass produces the last layers' gradients first)."""
+        return -self._order[name] if priority is None else priority
 
 
 class _Collective:

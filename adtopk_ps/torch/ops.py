@@ -195,8 +195,8 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
     send = wire
     if root is not None and c.rank != root:
         send = torch.zeros_like(wire)
-    elif pre != 1.0 and not integral:
-        send = wire * pre
+    elif pre != 1.0:  # an integer tensor is scaled in float64 and cut to its dtype, as horovod
+        send = wire * pre if not integral else (wire * pre).to(tensor.dtype).to(wire.dtype)
     route = None if integral else _route(compressor, send)
     # a contiguous floating tensor in place receives the answer in its own memory
     direct = inplace and not integral and send.data_ptr() == tensor.data_ptr()
@@ -216,9 +216,7 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
 
     def finish(result: torch.Tensor, handle: Handle) -> torch.Tensor:
         if integral:
-            if (pre, post) != (1.0, 1.0):  # horovod scales integers in float64
-                result = result * (pre * post)
-            result = result.to(tensor.dtype)
+            result = (result * post if post != 1.0 else result).to(tensor.dtype)
             if average:
                 result = result.floor_divide_(c.size - len(handle.agreement.standins))
         elif post != 1.0:
@@ -416,14 +414,13 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        averaged = allreduce(grad, op=Average)  # horovod's gradient of a broadcast
-        return (averaged if client().rank == ctx.root_rank else torch.zeros_like(averaged)), \
-            None, None
+        summed = allreduce(grad, op=Sum)  # every worker's output came from the root's input
+        return (summed if client().rank == ctx.root_rank else torch.zeros_like(summed)), None, None
 
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
     """The root's ``tensor`` on every worker, as a new tensor; differentiable (the root's
-    gradient is the average of every worker's, as in horovod).
+    gradient is the sum of every worker's, as horovod's test_horovod_broadcast_grad expects).
 
     Example::
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from typing import Callable, Iterable, Mapping
 
 import torch
@@ -199,6 +200,11 @@ class _Distributed:
         names = [n for n, _ in named]
         if len(set(names)) != len(names):
             raise ValueError("named_parameters has duplicate names")
+        unnamed = len(in_groups - {id(p) for _, p in named})
+        if unnamed:
+            raise ValueError(f"named_parameters was given, but {unnamed} of the optimizer's "
+                             f"parameters are not in it (as in horovod, every parameter must "
+                             f"be named); pass model.named_parameters()")
         return named
 
     def _agree_on_settings(self, overlap: bool | str, backward_passes_per_step: int, summed: bool,
@@ -449,6 +455,11 @@ class _Distributed:
 
     def step(self, closure=None):
         if not self._skip:
+            if self._synchronized:  # horovod's warning; synchronizing again keeps workers in step
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): the gradients are "
+                              "averaged again, which costs a round; use `with "
+                              "optimizer.skip_synchronize(): optimizer.step()`", stacklevel=2)
             self.synchronize()
         elif not self._synchronized:
             raise RuntimeError("step() inside skip_synchronize() needs synchronize() first")
