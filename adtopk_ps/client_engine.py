@@ -87,6 +87,8 @@ class _Part:
     handle: Handle
     view: torch.Tensor  # where the answer goes
     round: int
+    compressor: Compressor  # its ``restore`` runs on the answer
+    name: str  # the partition's name, as the compressor knew it
 
 
 class Engine:
@@ -288,8 +290,8 @@ class Engine:
         outs = split(job.handle.out, layout.blocks)
         for index, (part, out, key) in enumerate(zip(parts, outs, layout.keys)):
             started = time.perf_counter()
-            payload = job.compressor.compress(part, part_name(job.handle.name, index), job.step,
-                                              job.ratio)
+            pname = part_name(job.handle.name, index)
+            payload = job.compressor.compress(part, pname, job.step, job.ratio)
             self.compress_seconds += time.perf_counter() - started
             rnd = self.rounds.get(key, 0)
             self.rounds[key] = rnd + 1
@@ -297,7 +299,7 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flag)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
-            self._inflight[key] = _Part(job.handle, out, rnd)
+            self._inflight[key] = _Part(job.handle, out, rnd, job.compressor, pname)
             send(servers[server_of(key, len(servers))], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
@@ -328,8 +330,10 @@ class Engine:
             handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy
             if handle.divisor != 1:
                 handle.out.div_(handle.divisor)
+            part.compressor.restore(handle.out, part.name)
         else:
             payload.write_into(part.view, handle.divisor)
+            part.compressor.restore(part.view, part.name)
         handle.part_done()
 
     def _fail_all(self, error: BaseException) -> None:

@@ -42,3 +42,32 @@ def test_ddp_hook_on_gloo_matches_the_parameter_server(tmp_path):
         torch.nn.functional.cross_entropy(model(x), y).backward()
         dead.append(set(torch.nonzero(model[3].weight.grad.abs().sum(1) == 0).view(-1).tolist()))
     assert dead[0] and dead[1] and dead[0] != dead[1], dead
+
+
+def test_hook_takes_an_all_zero_gradient_and_its_state_survives_a_checkpoint(tmp_path):
+    """A branch only rank 0 uses under find_unused_parameters=True (rank 1's gradient of a
+    sparsified weight is all zeros); then PowerSGD's checkpoint pattern: save the hook state
+    with the model, load both, register the loaded state on a new DDP model. Continuing
+    from the loaded state gives the same parameters, bit for bit, as continuing with the
+    original, on both ranks."""
+    program = str(Path(PROGRAM).parent / "hook_checkpoint.py")
+    init = tmp_path / "init"
+    ranks = [subprocess.Popen([sys.executable, program, str(r), "2", str(init), str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for r in range(2)]
+    for p in ranks:
+        out, _ = p.communicate(timeout=120)
+        assert p.returncode == 0, out[-3000:]
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for r in got:
+        assert r["original"].keys() == r["loaded"].keys()
+        assert all(torch.equal(r["original"][n], r["loaded"][n]) for n in r["original"])
+        sparse, loaded_steps = r["steps"]
+        assert sparse == loaded_steps and set(sparse) == {"a.weight", "b.weight", "branch.weight"}
+        assert r["group"] is None  # the default group after loading
+        assert "load the model's state_dict from the same checkpoint" in r["refused"]
+    assert all(torch.equal(got[0]["loaded"][n], got[1]["loaded"][n]) for n in got[0]["loaded"])
+    # the zero-gradient step: rank 1 pushed zeros for the branch, both hold rank 0's half
+    assert torch.equal(got[0]["zero_step"]["branch.weight"], got[1]["zero_step"]["branch.weight"])
+    assert got[0]["zero_step"]["branch.weight"].abs().sum() > 0

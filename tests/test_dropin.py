@@ -64,7 +64,7 @@ def test_horovod_calls_run_with_the_import_changed():
 def test_compression_names_resolve_and_unknown_ones_are_refused():
     from adtopk_ps.compression import ADTopk, ErrorFeedback, TopK
     from adtopk_ps.torch import Compression, GradientCompression
-    from adtopk_ps.torch.compression import compressor_of
+    from adtopk_ps.torch.compression import FP16, compressor_of
     assert compressor_of(Compression.none) is None and compressor_of("none") is None
     made = Compression.adtopk(ratio=0.05)
     assert isinstance(made, ErrorFeedback) and isinstance(made.base, ADTopk) and made.ratio == 0.05
@@ -72,7 +72,13 @@ def test_compression_names_resolve_and_unknown_ones_are_refused():
     assert isinstance(compressor_of({"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}), ErrorFeedback)
     fp16 = GradientCompression(Compression.fp16)
     fp16.plan([("bias", torch.zeros(3)), ("weight", torch.zeros(4, 4))])
-    assert fp16.for_tensor("bias") == (Compression.fp16, 1.0)  # 1-D included
+    comp, ratio = fp16.for_tensor("bias")  # 1-D included
+    assert isinstance(comp, FP16) and ratio == 1.0
+    # horovod's interface: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx)
+    for dtype, wire in ((torch.float64, torch.float16), (torch.int32, torch.int32)):
+        sent, ctx = Compression.fp16.compress(torch.ones(5, dtype=dtype))
+        assert sent.dtype == wire and Compression.fp16.decompress(sent, ctx).dtype == dtype
+    assert Compression.none.compress(torch.ones(2))[0].dtype == torch.float32
     for bad, kind in ((object(), TypeError), ("zip", ValueError), (3, TypeError)):
         with pytest.raises(kind, match="unknown compress"):
             compressor_of(bad)

@@ -102,6 +102,11 @@ class Compressor(ABC):
         """A dense tensor of the payload's shape, dtype and device: zeros where nothing was sent."""
         return payload.decompress()
 
+    def restore(self, answer: torch.Tensor, name: str) -> None:
+        """Undo, in place, what :meth:`compress` did to the values of the tensor called
+        ``name`` once its answer has landed in ``answer`` (the engine calls this); nothing
+        here: payload decoding restores every built-in codec."""
+
     def forget(self, names: Iterable[str]) -> None:
         """Drop the residual state kept for these tensor names, used when a NaN or an
         infinity was sent (a residual that took one would send it again); nothing here,

@@ -14,6 +14,9 @@ uint8/uint16 indices compact and works on every backend (gloo, NCCL).
 annotations against the real ``dist.GradBucket`` class.)
 """
 
+import hashlib
+import logging
+import weakref
 from typing import Mapping
 
 import torch
@@ -28,19 +31,28 @@ _ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret 
 
 
 class ADTopkHookState:
-    """What :func:`adtopk_hook` needs: the compression, each parameter's name, the process group.
+    """What :func:`adtopk_hook` needs: the compression (its residuals), each parameter's name,
+    the process group. Everything is kept by parameter name, so the state pickles as
+    PowerSGD's does: ``torch.save`` it with the model's state_dict, ``torch.load`` both,
+    load the state_dict into a new model and register the state on its DDP; the process
+    group is left out and is the default group after loading (set ``process_group`` to
+    change it).
 
     Example::
 
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         state = bps.ADTopkHookState(model, {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
         ddp.register_comm_hook(state, bps.adtopk_hook)
+        torch.save({"model": ddp.state_dict(), "hook": state}, path)   # later: torch.load
     """
 
     def __init__(self, model: torch.nn.Module, compression: Compressor | str | Mapping | GradientCompression,
                  process_group: dist.ProcessGroup | None = None):
-        """Every rank of ``process_group`` must build its state: they compare what they will
-        send and raise :class:`.Disagreement` alike where any differs."""
+        """Unlike PowerSGD's, the constructor runs one collective: every rank of
+        ``process_group`` compares what it will send (compressor, density, which tensors go
+        sparse) and all raise :class:`.Disagreement` alike where any differs, since a rank
+        that sparsified otherwise would be summed into the others silently. The model gives
+        the parameters' names."""
         self.compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -48,8 +60,56 @@ class ADTopkHookState:
         group = process_group if process_group is not None else dist.group.WORLD
         agree(describe(named, self.compression, {}), lambda obj, _name: _all_gather(obj, group))
         self.names = {id(p): n for n, p in named}
+        self._params = {n: weakref.ref(p) for n, p in named}
         self.process_group = process_group
         self.steps: dict[str, int] = {}
+        self._saved: dict[str, str] = {}  # a loaded state's parameter digests, by name
+
+    def __getstate__(self) -> dict:
+        """Everything but the process group and the parameters themselves: in their place, a
+        digest of each parameter's values, by which a loaded state knows its new model's
+        parameters (the checkpoint restores them alongside it; see :meth:`name_of`)."""
+        logging.getLogger("torch.distributed").warning(
+            "NOTE: Process group is not serializable and excluded from a saved state.")
+        digests = dict(self._saved)
+        for name, ref in self._params.items():
+            p = ref()
+            if p is not None:
+                digests[name] = _digest(p)
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("process_group", "names", "_params", "_saved")}
+        return {**state, "_saved": digests}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.process_group = None  # the default group; set it after loading to change it
+        self.names, self._params = {}, {}
+
+    def name_of(self, p: torch.Tensor) -> str:
+        """``p``'s name. A loaded state learns its new model's parameters at their first
+        gradient, by their values: the model's state_dict from the same checkpoint gives
+        each parameter the values it had when the state was saved (equal ones are taken in
+        the model's order)."""
+        name = self.names.get(id(p))
+        if name is not None:
+            return name
+        digest = _digest(p)
+        bound = set(self._params)
+        name = next((n for n, d in self._saved.items() if d == digest and n not in bound), None)
+        if name is None:
+            raise ValueError(f"a parameter of shape {tuple(p.shape)} has values that no "
+                             f"parameter had when this ADTopkHookState was saved: load the "
+                             f"model's state_dict from the same checkpoint as the state, "
+                             f"before the first backward")
+        self.names[id(p)] = name
+        self._params[name] = weakref.ref(p)
+        return name
+
+
+def _digest(p: torch.Tensor) -> str:
+    """A parameter's shape, dtype and values, as a short hash."""
+    raw = p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.blake2b(f"{tuple(p.shape)}{p.dtype}".encode() + raw, digest_size=16).hexdigest()
 
 
 def _all_gather(obj: object, group: dist.ProcessGroup) -> list:
@@ -125,7 +185,7 @@ def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.future
     grads = bucket.gradients()
     dense, sparse, payloads = [], [], []
     for p, g in zip(bucket.parameters(), grads):
-        name = state.names[id(p)]
+        name = state.name_of(p)
         comp, ratio = state.compression.for_tensor(name)
         if comp is None:
             dense.append(g)

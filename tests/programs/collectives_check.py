@@ -127,5 +127,32 @@ for i in range(ROUNDS):  # the racy ending, many times: refusal, then a right an
         break
 else:
     say("repeated refusals", True)
+
+
+class Halve(hvd.Compression.Compressor):
+    """A user's horovod-style compressor: what is summed is half, decompress doubles it."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor / 2, "ctx"
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        assert ctx == "ctx"
+        return tensor * 2
+
+
+t = torch.arange(6.0).view(2, 3) * (rank + 1)
+want = torch.arange(6.0).view(2, 3) * sum(range(1, size + 1)) / size
+say("user compressor allreduce", torch.allclose(hvd.allreduce(t, compression=Halve), want))
+model = torch.nn.Linear(3, 2)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), compression=Halve)
+x = torch.full((1, 3), float(rank + 1))
+model(x).sum().backward()
+opt.step()
+say("user compressor optimizer", torch.allclose(model.weight.grad, hvd.allreduce(
+    torch.ones(2, 1) * x, name="expected.grad")))
 hvd.barrier()
 say("done", True)
