@@ -207,8 +207,7 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
              "compression": "none" if route is None else compressor_label(route)}
 
     def start(agreement: Agreement, handle: Handle) -> None:
-        contributors = c.size - len(agreement.standins)
-        c.push_agreed(handle, key, send, route, contributors if average and not integral else 1,
+        c.push_agreed(handle, key, send, route, c.size if average and not integral else 1,
                       tensor.detach() if direct else None, priority)
 
     handle = c.collective(name, match, start, own=[key, dtype_name(send.dtype), list(send.shape)],
@@ -218,7 +217,7 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
         if integral:
             result = (result * post if post != 1.0 else result).to(tensor.dtype)
             if average:
-                result = result.floor_divide_(c.size - len(handle.agreement.standins))
+                result = result.floor_divide_(c.size)
         elif post != 1.0:
             result = result.mul_(post)
         if inplace and result.data_ptr() != tensor.data_ptr():
@@ -506,6 +505,6 @@ def barrier() -> None:
 def join(device: int = -1) -> int:
     """Wait until every worker has joined; returns the rank of the last to join, the same on
     every worker. While a worker waits here, the others' allreduces and push_pulls go on
-    with it standing in with zeros (an average is over the workers that took part); any
-    other collective they call is refused on each of them, as in horovod."""
+    with it standing in with zeros (an average still divides by every worker, as in
+    horovod); any other collective they call is refused on each of them, as horovod does."""
     return client().collective(JOIN, {"kind": "join"}).wait().last

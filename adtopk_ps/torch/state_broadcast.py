@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 import torch
 
 from .objects import broadcast_object
+from .optimizer import step_locally
 from .ops import _submit, synchronize
 from .runtime import rank
 
@@ -44,10 +45,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               prefix: str = "broadcast") -> None:
     """Load the root's optimizer state (buffers, step counts, hyper-parameters) everywhere.
 
+    An optimizer with no state yet gets it first, as in horovod: every parameter that
+    needs a gradient gets a zero one and the local optimizer (not the distributed one,
+    which would push) takes a step, so that every buffer exists before the root's state
+    is loaded.
+
     Example::
 
         bps.broadcast_optimizer_state(optimizer, root_rank=0)
     """
+    if not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+        step_locally(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, f"{prefix}.optimizer")
     if rank() != root_rank:
         optimizer.load_state_dict(state)
