@@ -28,6 +28,8 @@ from .compression import Compressor, Dense
 from .env import env_int
 from .transport import ClusterError, security
 
+PRUNE_AT = 1024  # collectives remembered by name before the finished ones are dropped
+
 __all__ = ["Agreement", "CollectiveError", "Handle", "PSClient", "PushPullError"]
 
 
@@ -241,6 +243,8 @@ class PSClient:
         if last is not None and not last.done():
             raise ValueError(f"a collective named {name!r} is still in flight on this worker; "
                              f"synchronize it before using the name again")
+        if len(self._collectives) > PRUNE_AT:  # forget finished calls' names now and then
+            self._collectives = {n: h for n, h in self._collectives.items() if not h.done()}
         handle = self._collectives[name] = Handle(self, name, None, 0, False)
         fields = {"name": name, "match": match, "own": own, "failed": failed,
                   "standin": standin, "release": release}

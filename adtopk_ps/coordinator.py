@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 JOIN = ".join"  # the name join() negotiates
+MAX_PENDING = 1 << 16  # names waiting at once; beyond, a new one is refused to its asker
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ class Coordinator:
         if item is not None and rank in item.requests:
             return [self._refusal(rank, reqid, name, f"{name!r} is already in flight on worker "
                                   f"{rank}; a name can be used again once its call is done")]
+        if item is None and len(self.items) >= MAX_PENDING:
+            return [self._refusal(rank, reqid, name, f"{len(self.items)} collectives are "
+                                  f"already waiting for their workers; call synchronize() on "
+                                  f"some before starting more")]
         if item is None:
             item = self.items[name] = Item(name, standin, release)
         item.requests[rank] = Request(reqid, match, own, failed)

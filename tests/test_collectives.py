@@ -8,7 +8,7 @@ from procs import bpslaunch
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 PATIENT = {"PS_HEARTBEAT_TIMEOUT_MS": "10000", "PS_PUSH_PULL_TIMEOUT_S": "60"}
-CHECKS = 37  # lines each worker of collectives_check.py prints (worker 0, which joins at once: 3 fewer)
+CHECKS = 38  # lines each worker of collectives_check.py prints (worker 0, which joins at once: 3 fewer)
 
 
 def _lines(stdout, worker):

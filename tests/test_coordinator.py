@@ -2,6 +2,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adtopk_ps import coordinator
 from adtopk_ps.coordinator import JOIN, Coordinator
 
 SHAPE = {"kind": "allreduce", "dtype": "float32", "shape": [17, 17]}
@@ -45,6 +46,17 @@ def test_a_name_in_flight_twice_on_one_worker_is_refused_there_only():
     got = c.request(0, 2, "allgather.d", SHAPE)
     assert [(o.rank, o.fields["reqid"], o.fields["ok"]) for o in got] == [(0, 2, False)]
     assert answers(c.request(1, 1, "allgather.d", SHAPE))[0]["reqid"] == 1  # the first goes on
+
+
+def test_pending_names_are_bounded_a_new_one_beyond_is_refused_to_its_asker(monkeypatch):
+    monkeypatch.setattr(coordinator, "MAX_PENDING", 3)
+    c = Coordinator(2)
+    for i in range(3):
+        assert c.request(0, i, f"n{i}", SHAPE) == []
+    got = c.request(0, 9, "n9", SHAPE)
+    assert [(o.rank, o.fields["ok"]) for o in got] == [(0, False)]
+    assert "already waiting" in got[0].fields["message"] and len(c.items) == 3
+    assert answers(c.request(1, 1, "n0", SHAPE))[1]["ok"]  # existing names still complete
 
 
 def test_workers_blocked_in_calls_the_others_never_make_are_refused_not_left_waiting():

@@ -15,7 +15,7 @@ import pickle
 import torch
 
 from ..client import Agreement, Handle
-from .ops import collective_name, key_name, refuse_everywhere
+from .ops import collective_name, key_name, occupy, refuse_everywhere
 from .runtime import client
 
 
@@ -59,6 +59,7 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None) -
 
     got = c.collective(name, {"kind": "broadcast_object", "root": root_rank}, start,
                        own=len(blob) if c.rank == root_rank else None)
+    occupy(name, got)
     words = got.wait()
     return pickle.loads(_bytes(words, int(got.agreement.own[root_rank])))
 
@@ -84,6 +85,7 @@ def allgather_object(obj: object, name: str | None = None) -> list:
         c.push_agreed(handle, key_name(name, table.dtype, tuple(table.shape)), table)
 
     got = c.collective(name, {"kind": "allgather_object"}, start, own=len(blob))
+    occupy(name, got)
     table = got.wait()
     lengths = [int(got.agreement.own[r]) for r in range(c.size)]
     return [pickle.loads(_bytes(table[r], lengths[r])) for r in range(c.size)]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import re
 import weakref
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -42,6 +43,8 @@ from .agreement import compressor_label
 from .runtime import client
 
 FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
+UNNAMED_SLOTS = 16  # data keys that unnamed calls of one kind cycle through
+_UNNAMED = re.compile(r"^(.*\.noname)\.(\d+)$")
 EXACT = 1 << 53  # float64 holds every integer below this
 
 
@@ -89,6 +92,7 @@ class _Table:
         self.ops: dict[int, _Op] = {}
         self.ids = itertools.count(1)
         self.unnamed: dict[str, int] = {}
+        self.slots: dict[str, Handle] = {}  # an unnamed call's data slot -> its last user
 
 
 _tables: "weakref.WeakKeyDictionary[PSClient, _Table]" = weakref.WeakKeyDictionary()
@@ -125,21 +129,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _slot(name: str) -> str | None:
+    """The data slot of an unnamed call's name (``allreduce.noname.17`` -> ``allreduce.noname.slot1``);
+    None for a named one."""
+    match = _UNNAMED.match(name)
+    return f"{match[1]}.slot{int(match[2]) % UNNAMED_SLOTS}" if match else None
+
+
 def key_name(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
-    """The key a collective's data travels under: its name, the dtype and shape it travels in
-    (so that a name used again with another shape gets another key)."""
-    return f"{name}|{dtype_name(dtype)}|{'x'.join(map(str, shape)) or 'scalar'}"
+    """The key a collective's data travels under: its name (an unnamed call's slot), the dtype
+    and shape it travels in (so that a name used again with another shape gets another key)."""
+    return f"{_slot(name) or name}|{dtype_name(dtype)}|{'x'.join(map(str, shape)) or 'scalar'}"
 
 
 def collective_name(kind: str, name: str | None) -> str:
     """``kind.name``; an unnamed call is named by how many unnamed calls of its kind this
     worker made before it (horovod's rule: every worker makes its unnamed calls in one order).
-    Every call so named is agreed, so a worker whose call failed on its side still counts it."""
+    Every call so named is agreed, so a worker whose call failed on its side still counts it.
+
+    An unnamed call's data cycles through :data:`UNNAMED_SLOTS` keys, so that a loop of
+    unnamed calls does not make a key per call; it first waits for its slot's last use."""
     if name is None:
         table = _table(client())
         n = table.unnamed.get(kind, 0)
         table.unnamed[kind] = n + 1
-        return f"{kind}.noname.{n}"
+        name = f"{kind}.noname.{n}"
+        previous = table.slots.get(_slot(name))
+        if previous is not None:
+            previous.wait_done(client().timeout)  # its own synchronize() reports its outcome
+        return name
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     return f"{kind}.{name}"
@@ -163,8 +181,16 @@ def _route(compressor: Compressor | None, wire: torch.Tensor) -> Compressor | No
     return None if SparsificationPolicy(compressor.ratio).route(wire).dense else compressor
 
 
-def _register(c: PSClient, handle: Handle,
+def occupy(name: str, handle: Handle) -> None:
+    """An unnamed call's ``handle`` holds its data slot until it is done."""
+    slot = _slot(name)
+    if slot is not None:
+        _table(client()).slots[slot] = handle
+
+
+def _register(c: PSClient, name: str, handle: Handle,
               finish: Callable[[torch.Tensor, Handle], torch.Tensor]) -> int:
+    occupy(name, handle)
     table = _table(c)
     ident = next(table.ids)
     table.ops[ident] = _Op(handle, finish)
@@ -225,7 +251,7 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
                 tensor.copy_(result)
         return tensor if inplace else result
 
-    return _register(c, handle, finish)
+    return _register(c, name, handle, finish)
 
 
 def poll(handle: int) -> bool:
@@ -456,7 +482,7 @@ def _allgather_start(tensor: torch.Tensor, name: str | None) -> int:
         return result.to(t.dtype)
 
     handle = c.collective(name, match, start, own=int(t.shape[0]))
-    return _register(c, handle, finish)
+    return _register(c, name, handle, finish)
 
 
 def _rows(handle: Handle) -> tuple[int, int]:

@@ -128,6 +128,14 @@ for i in range(ROUNDS):  # the racy ending, many times: refusal, then a right an
 else:
     say("repeated refusals", True)
 
+# a loop of unnamed calls cycles through a few data keys, not one key per call
+before = len(hvd.client()._layouts)
+handles = [hvd.allreduce_async(torch.full((4,), float(i)), op=hvd.Sum) for i in range(100)]
+right = all(torch.equal(hvd.synchronize(h), torch.full((4,), float(i * size)))
+            for i, h in enumerate(handles))
+say("100 unnamed calls, few keys", right and len(hvd.client()._layouts) - before <= 16,
+    f"{len(hvd.client()._layouts) - before} new keys")
+
 
 class Halve(hvd.Compression.Compressor):
     """A user's horovod-style compressor: what is summed is half, decompress doubles it."""
