@@ -67,6 +67,7 @@ def test_hook_takes_an_all_zero_gradient_and_its_state_survives_a_checkpoint(tmp
         assert sparse == loaded_steps and set(sparse) == {"a.weight", "b.weight", "branch.weight"}
         assert r["group"] is None  # the default group after loading
         assert "load the model's state_dict from the same checkpoint" in r["refused"]
+        assert r["parity"] < 1e-6  # uncompressed, the hook trains as plain DDP
     assert all(torch.equal(got[0]["loaded"][n], got[1]["loaded"][n]) for n in got[0]["loaded"])
     # the zero-gradient step: rank 1 pushed zeros for the branch, both hold rank 0's half
     assert torch.equal(got[0]["zero_step"]["branch.weight"], got[1]["zero_step"]["branch.weight"])

@@ -5,7 +5,8 @@ the hook state with the model, load both, register the loaded state on a new DDP
     python hook_checkpoint.py RANK WORLD INIT_FILE OUT_DIR
 
 Writes OUT_DIR/rank<R>.pt: the parameters after continuing with the original state and
-with the loaded one (they must be equal), and the zero-gradient step's gradients.
+with the loaded one (they must be equal), the zero-gradient step's gradients, and how far
+the hook without compression strays from plain DDP.
 """
 import copy
 import sys
@@ -86,7 +87,16 @@ def main():
         refused = ""
     except Exception as exc:  # noqa: BLE001 - DDP may wrap the hook's ValueError
         refused = str(exc)
-    torch.save({"zero_step": zero_step, "refused": refused, "original": dict(model.named_parameters()),
+    # parity, as PyTorch's hook tests check it: with no compression the hook trains as plain DDP
+    plain, hooked = Net(), Net()
+    hooked.load_state_dict(plain.state_dict())
+    ddp_plain = DistributedDataParallel(plain, find_unused_parameters=True)
+    opt_plain = torch.optim.SGD(ddp_plain.parameters(), lr=0.1, momentum=0.9)
+    ddp_hooked, opt_hooked = make(hooked, bps.ADTopkHookState(hooked, "none"))
+    steps(ddp_plain, opt_plain, rank, 4, seed=30, use_branch=True)
+    steps(ddp_hooked, opt_hooked, rank, 4, seed=30, use_branch=True)
+    parity = max((p - q).abs().max().item() for p, q in zip(plain.parameters(), hooked.parameters()))
+    torch.save({"zero_step": zero_step, "refused": refused, "parity": parity, "original": dict(model.named_parameters()),
                 "loaded": dict(fresh.named_parameters()),
                 "steps": (state.steps, loaded["hook"].steps),
                 "group": loaded["hook"].process_group}, f"{out}/rank{rank}.pt")
