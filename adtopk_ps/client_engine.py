@@ -19,6 +19,7 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
@@ -106,7 +107,9 @@ class Engine:
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: Job | None = None  # between the queue and the wire
-        self._inflight: dict[int, _Part] = {}  # by key; the engine thread's own
+        # by key, oldest round first; the engine thread's own. A key has two rounds in flight
+        # when a join() stand-in's answer is still on its way as this worker pushes the next
+        self._inflight: dict[int, deque[_Part]] = {}
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
         # the engine thread; its ``fail`` if the engine ends first)
@@ -299,7 +302,8 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flag)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
-            self._inflight[key] = _Part(job.handle, out, rnd, job.compressor, pname)
+            self._inflight.setdefault(key, deque()).append(
+                _Part(job.handle, out, rnd, job.compressor, pname))
             send(servers[server_of(key, len(servers))], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
@@ -308,7 +312,10 @@ class Engine:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
-        part = self._inflight.pop(msg.key, None)
+        waiting = self._inflight.get(msg.key)
+        part = waiting.popleft() if waiting else None
+        if waiting is not None and not waiting:
+            del self._inflight[msg.key]
         if part is None or msg.round != part.round:
             raise ClusterError(f"server {server} answered key {msg.key} round {msg.round}, "
                                f"which this worker is not waiting for")
@@ -345,7 +352,7 @@ class Engine:
             calls, self._agreements = list(self._agreements.values()), {}
         for job in jobs:
             job.handle.fail(error)
-        for part in self._inflight.values():
+        for part in (p for parts in self._inflight.values() for p in parts):
             part.handle.fail(error)
         for call in calls:
             call.fail(error)

@@ -181,3 +181,33 @@ def test_a_barrier_goes_on_when_the_worker_it_waits_for_finishes_instead():
         waiter.join(40)
         assert len(outcome) == 1 and isinstance(outcome[0], float) and outcome[0] < 10, outcome
         w0.shutdown()
+
+
+def test_two_rounds_of_one_key_in_flight_are_answered_in_order():
+    """A joined worker's stand-in answer may still be on its way when the worker pushes the
+    same key's next round (horovod's test_horovod_join_allreduce met this under load): the
+    engine keeps both, and each answer lands in its own round's output."""
+    import types
+    from collections import deque
+
+    import zmq
+
+    from adtopk_ps import wire
+    from adtopk_ps.client import Handle
+    from adtopk_ps.client_engine import Engine, _Part
+    from adtopk_ps.cluster import ClusterConfig
+    from adtopk_ps.compression import Dense, Payload
+    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
+                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                     "DMLC_PS_ROOT_PORT": "9"})
+    engine = Engine(config, zmq.Context())
+    owner = types.SimpleNamespace(size=2, timeout=5.0)
+    handles = [Handle(owner, f"round{r}", torch.zeros(3), 1, False) for r in range(2)]
+    for r, h in enumerate(handles):
+        engine._inflight.setdefault(7, deque()).append(
+            _Part(h, h.out, r, Dense(), f"round{r}#0"))
+    for r in range(2):
+        answer = Payload("dense", (3,), torch.float32, torch.full((3,), float(r + 1)))
+        engine._on_answer(0, wire.encode(wire.Op.RESULT, key=7, round=r, payload=answer))
+    assert [h.wait(1).tolist() for h in handles] == [[1.0] * 3, [2.0] * 3]
+    assert engine._inflight == {}

@@ -8,7 +8,7 @@ from procs import bpslaunch
 
 PROGRAMS = Path(__file__).resolve().parent / "programs"
 PATIENT = {"PS_HEARTBEAT_TIMEOUT_MS": "10000", "PS_PUSH_PULL_TIMEOUT_S": "60"}
-CHECKS = 38  # lines each worker of collectives_check.py prints (worker 0, which joins at once: 3 fewer)
+CHECKS = 39  # lines each worker of collectives_check.py prints (worker 0, which joins at once: 3 fewer)
 
 
 def _lines(stdout, worker):
@@ -19,8 +19,9 @@ def _lines(stdout, worker):
 def test_calls_that_differ_are_refused_everywhere_and_the_next_call_works():
     """Shape, dtype, op, root, allgather's trailing shape, a root out of range on one worker,
     an unpicklable object on the root, a call one worker skips, a duplicate name, join beside
-    sums, shutdown and init again, and 30 refusals each followed by a right answer; three
-    workers, two servers, one cluster throughout."""
+    sums, 90 rounds of join with stand-ins where the joiner changes every round, shutdown and
+    init again, and 30 refusals each followed by a right answer; three workers, two
+    servers, one cluster throughout."""
     began = time.monotonic()
     result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "2", "--",
                        sys.executable, str(PROGRAMS / "collectives_check.py"), "30",

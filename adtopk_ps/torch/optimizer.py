@@ -156,15 +156,6 @@ def _agree(medians: list[float]) -> list[float]:
     return client().push_pull(mine, f"step-trial.{len(medians)}").wait().tolist()
 
 
-def step_locally(optimizer: torch.optim.Optimizer) -> None:
-    """One step of the optimizer's own class, with no push: a DistributedOptimizer's own
-    step would push every gradient and wait for every other worker's."""
-    cls = type(optimizer)
-    if issubclass(cls, _Distributed):
-        cls = cls.__mro__[cls.__mro__.index(_Distributed) + 1]
-    cls.step(optimizer)
-
-
 class _Distributed:
     """Mixed into the wrapped optimizer's own class, so LR schedulers still accept it."""
 

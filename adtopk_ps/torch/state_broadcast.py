@@ -11,7 +11,6 @@ from typing import Iterable, Mapping
 import torch
 
 from .objects import broadcast_object
-from .optimizer import step_locally
 from .ops import _submit, synchronize
 from .runtime import rank
 
@@ -45,10 +44,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                               prefix: str = "broadcast") -> None:
     """Load the root's optimizer state (buffers, step counts, hyper-parameters) everywhere.
 
-    An optimizer with no state yet gets it first, as in horovod: every parameter that
-    needs a gradient gets a zero one and the local optimizer (not the distributed one,
-    which would push) takes a step, so that every buffer exists before the root's state
-    is loaded.
+    In an optimizer with no state yet, every parameter that needs a gradient and has none
+    gets a zero one, as horovod leaves them. horovod also takes a local step there, to
+    create the buffers it broadcasts one by one; here the state travels whole, so no step
+    is taken and no buffer or step count changes.
 
     Example::
 
@@ -57,9 +56,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not optimizer.state_dict()["state"]:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
+                if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
-        step_locally(optimizer)
     state = broadcast_object(optimizer.state_dict(), root_rank, f"{prefix}.optimizer")
     if rank() != root_rank:
         optimizer.load_state_dict(state)
