@@ -13,6 +13,7 @@ every worker, with the same error.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from .env import env_int
 from .transport import ClusterError, security
 
 PRUNE_AT = 1024  # collectives remembered by name before the finished ones are dropped
+_UNNAMED = re.compile(r"^(.*)\.noname\.(\d+)$")
 
 __all__ = ["Agreement", "CollectiveError", "Handle", "PSClient", "PushPullError"]
 
@@ -97,16 +99,35 @@ class Handle:
             raise self._error
         return self.out
 
+    def settle(self, timeout: float | None = None) -> None:
+        """Wait as :meth:`wait` does (telling the scheduler while the call is not agreed), but
+        raise nothing: whoever holds the handle reads its outcome."""
+        try:
+            self.wait(timeout)
+        except Exception:  # noqa: BLE001 - the outcome is the holder's to read
+            pass
+
     def _wait_agreed(self, timeout: float) -> None:
         """Wait for the scheduler's answer, having told it that this worker waits (so that a
-        call no other worker will make is refused rather than waited for)."""
+        call no other worker will make is refused rather than waited for). A wait that times
+        out gives the call up, on every worker that made it; one interrupted (Ctrl-C) says
+        it no longer waits."""
         reqid, engine = self.reqid, self._client.engine
         if reqid is None:
             return
         engine.blocked(reqid, True)
-        if not self._event.wait(timeout) and self.reqid is not None:
-            engine.blocked(reqid, False)
-            raise TimeoutError(f"{self.name!r} not agreed by every worker within {timeout:.1f} s")
+        try:
+            finished = self._event.wait(timeout)
+        except BaseException:  # interrupted (Ctrl-C): the call stays, this worker no longer waits
+            if self.reqid is not None:
+                engine.blocked(reqid, False)
+            raise
+        if not finished and self.reqid is not None:
+            engine.blocked(reqid, False, withdraw=True)
+            error = TimeoutError(f"{self.name!r} not agreed by every worker within "
+                                 f"{timeout:.1f} s; given up on every worker that made it")
+            self.fail(error)
+            raise error
 
     def part_done(self) -> None:
         """One partition's answer is in ``out`` (the engine calls this): the last completes
@@ -139,6 +160,7 @@ class PSClient:
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
         self._collectives: dict[str, Handle] = {}  # by name, the last collective of each
+        self._unnamed: dict[str, int] = {}  # unnamed collectives made so far, by kind
         self._closed = False
         self._engine = Engine(self.config, self.ctx)
         self._engine.on_standin = self._stand_in
@@ -266,8 +288,22 @@ class PSClient:
         self._engine.submit(self._priority(key_name, priority), handle, tensor.detach(), layout,
                             compressor or Dense(), step, None)
 
+    def unnamed_name(self, kind: str) -> str:
+        """The name of this worker's next unnamed collective of ``kind`` (horovod's rule: by
+        order, so every worker must make its unnamed calls in one order)."""
+        n = self._unnamed.get(kind, 0)
+        self._unnamed[kind] = n + 1
+        return f"{kind}.noname.{n}"
+
     def _stand_in(self, fields: dict) -> None:
-        """A joined worker's zeros for a sum the others agreed (the engine thread calls this)."""
+        """A joined worker's part in a call the others made (the engine thread calls this):
+        an unnamed one counts here too, and a sum gets this worker's zeros."""
+        unnamed = _UNNAMED.match(fields["name"])
+        if unnamed:
+            kind, n = unnamed[1], int(unnamed[2])
+            self._unnamed[kind] = max(self._unnamed.get(kind, 0), n + 1)
+        if fields["push"] is None:
+            return
         key_name, dtype, shape = fields["push"]
         zeros = torch.zeros(shape, dtype=getattr(torch, dtype))
         handle = Handle(self, key_name, None, 0, False)

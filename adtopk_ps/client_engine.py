@@ -155,10 +155,11 @@ class Engine:
         self._poke()
         return reqid
 
-    def blocked(self, reqid: int, waiting: bool) -> None:
-        """Tell the scheduler that the caller now waits for request ``reqid`` (or no longer)."""
+    def blocked(self, reqid: int, waiting: bool, withdraw: bool = False) -> None:
+        """Tell the scheduler that the caller now waits for request ``reqid``, no longer does,
+        or (``withdraw``) gives it up."""
         with self.lock:
-            self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting}))
+            self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
         self._poke()
 
     def finish(self) -> None:
@@ -240,7 +241,7 @@ class Engine:
                 if op == Op.NEGOTIATE:
                     link.negotiate(reqid, fields)
                 elif op == Op.BLOCKED:
-                    link.block(reqid, fields["waiting"])
+                    link.block(reqid, fields["waiting"], fields["withdraw"])
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait

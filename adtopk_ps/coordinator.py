@@ -25,14 +25,17 @@ once rather than left to a timeout:
   wait in are refused, each naming who waits where;
 - a worker has joined (horovod's ``join``): a sum goes on with that worker
   standing in with zeros (it is told to push them, as the ``own`` part of the
-  sum's first request describes); any other kind is refused.
+  sum's first request describes); any other kind is refused (and the joined
+  worker told, with nothing to push, so that its unnamed calls count it too).
 
 The coordinator is plain state: it returns the messages to send, and the
 scheduler sends them.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 JOIN = ".join"  # the name join() negotiates
 MAX_PENDING = 1 << 16  # names waiting at once; beyond, a new one is refused to its asker
@@ -76,12 +79,24 @@ def describe(value: object) -> str:
 
 
 class Coordinator:
-    """Pending collectives of one job, by name, for ``num_workers`` worker ranks."""
+    """Pending collectives of one job, by name, for ``num_workers`` worker ranks.
 
-    def __init__(self, num_workers: int):
+    ``grace``: how long every worker must have waited, with nothing answerable and no new
+    request, before the calls they wait in are refused (a worker's other threads may still
+    be about to ask); ``clock`` gives the time.
+    """
+
+    def __init__(self, num_workers: int, grace: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic):
         self.active: set[int] = set(range(num_workers))  # ranks that have not finished
+        self.finished_ranks: set[int] = set()
         self.items: dict[str, Item] = {}
-        self.blocked: dict[int, str] = {}  # rank -> the name it waits in
+        self.blocked: dict[int, set[str]] = {}  # rank -> the names it waits in
+        # rank -> names refused when every worker waited, which it had not asked for: its
+        # next request of one is refused at once, so that workers one call apart line up
+        self.tombstones: dict[int, set[str]] = {}
+        self.grace, self.clock = grace, clock
+        self.stuck_since: float | None = None  # when every worker began to wait in vain
         self.agreed = 0  # names agreed so far
         self.refused = 0  # names refused so far
 
@@ -94,6 +109,11 @@ class Coordinator:
         if item is not None and rank in item.requests:
             return [self._refusal(rank, reqid, name, f"{name!r} is already in flight on worker "
                                   f"{rank}; a name can be used again once its call is done")]
+        if name in self.tombstones.get(rank, ()):
+            self.tombstones[rank].discard(name)
+            return [self._refusal(rank, reqid, name, "the other workers' call of it was refused "
+                                  "earlier, when every worker waited in a call another had not "
+                                  "made; this worker's calls now line up with theirs again")]
         if item is None and len(self.items) >= MAX_PENDING:
             return [self._refusal(rank, reqid, name, f"{len(self.items)} collectives are "
                                   f"already waiting for their workers; call synchronize() on "
@@ -103,30 +123,50 @@ class Coordinator:
         item.requests[rank] = Request(reqid, match, own, failed)
         item.order.append(rank)
         if name == JOIN:
-            self.blocked[rank] = JOIN
+            self.blocked.setdefault(rank, set()).add(JOIN)
+        self.stuck_since = None  # something new happened: wait the grace again
         return self._settle()
 
     def block(self, rank: int, reqid: int) -> list[Outgoing]:
         """Worker ``rank`` now waits for its request ``reqid`` (ignored if already answered)."""
-        for item in self.items.values():
-            req = item.requests.get(rank)
-            if req is not None and req.reqid == reqid:
-                self.blocked[rank] = item.name
-                return self._settle()
-        return []
+        item = self._item_of(rank, reqid)
+        if item is None:
+            return []
+        self.blocked.setdefault(rank, set()).add(item.name)
+        return self._settle()
 
     def unblock(self, rank: int, reqid: int) -> None:
-        """Worker ``rank`` stopped waiting for ``reqid`` (its wait timed out)."""
-        name = self.blocked.get(rank)
-        item = self.items.get(name) if name is not None else None
-        if item is not None and item.requests.get(rank, Request(-1, {})).reqid == reqid:
-            del self.blocked[rank]
+        """Worker ``rank`` stopped waiting for ``reqid`` (an interrupted wait)."""
+        item = self._item_of(rank, reqid)
+        if item is not None:
+            self.blocked.get(rank, set()).discard(item.name)
+
+    def withdraw(self, rank: int, reqid: int) -> list[Outgoing]:
+        """Worker ``rank`` gave up on ``reqid`` (its wait timed out): the call is refused on
+        every worker that asked, so that none goes on with a sum this worker abandoned."""
+        item = self._item_of(rank, reqid)
+        if item is None:
+            return []
+        return self._close(item, f"worker {rank} stopped waiting for it (its timeout)", [])
 
     def finished(self, rank: int) -> list[Outgoing]:
         """Worker ``rank`` is done: it will ask for nothing more."""
         self.active.discard(rank)
+        self.finished_ranks.add(rank)
         self.blocked.pop(rank, None)
-        return self._settle(finished=rank)
+        self.tombstones.pop(rank, None)
+        return self._settle()
+
+    def tick(self) -> list[Outgoing]:
+        """Refuse what every worker has waited in for ``grace`` (the scheduler calls this)."""
+        return self._settle()
+
+    def _item_of(self, rank: int, reqid: int) -> Item | None:
+        for item in self.items.values():
+            req = item.requests.get(rank)
+            if req is not None and req.reqid == reqid:
+                return item
+        return None
 
     # ------------------------------------------------------------------ settling
 
@@ -134,33 +174,41 @@ class Coordinator:
         item = self.items.get(JOIN)
         return set(item.requests) & self.active if item is not None else set()
 
-    def _settle(self, finished: int | None = None) -> list[Outgoing]:
-        """Answer every name that can be answered now; then, if every active worker waits
-        and nothing can move, refuse the names they wait in."""
+    def _settle(self) -> list[Outgoing]:
+        """Answer every name that can be answered now; then, if every active worker has waited
+        ``grace`` and nothing can move, refuse the names they wait in."""
         out: list[Outgoing] = []
         progress = True
         while progress:
             progress = False
             for item in list(self.items.values()):
-                verdict = self._verdict(item, finished)
+                verdict = self._verdict(item)
                 if verdict is not None:
                     out += self._close(item, *verdict)
                     progress = True
-        if not out and self.active and all(r in self.blocked for r in self.active):
+        if out or not self.active or not all(self.blocked.get(r) for r in self.active):
+            self.stuck_since = None
+            return out
+        now = self.clock()
+        if self.stuck_since is None:
+            self.stuck_since = now
+        if now - self.stuck_since >= self.grace:
+            self.stuck_since = None
             out += self._break_deadlock()
         return out
 
-    def _verdict(self, item: Item, finished: int | None) -> tuple[str | None, list[int]] | None:
+    def _verdict(self, item: Item) -> tuple[str | None, list[int]] | None:
         """None while ``item`` must wait; else (refusal or None for agreed, stand-in ranks)."""
         if item.name == JOIN:
             return (None, []) if self.active <= set(item.requests) else None
         asked = set(item.requests)
+        gone = self.finished_ranks - asked
+        if gone and not item.release:
+            return f"worker(s) {sorted(gone)} finished without calling it", []
         joined = self._joined() - asked
-        if finished is not None and finished not in asked and not item.release:
-            return f"worker {finished} finished without calling it", []
-        if joined and not item.standin:
+        if joined and not item.standin:  # the joined are told too: their unnamed calls count it
             return (f"worker(s) {sorted(joined)} called join(); only a sum (allreduce, "
-                    f"push_pull) goes on with joined workers standing in"), []
+                    f"push_pull) goes on with joined workers standing in"), sorted(joined)
         if not (self.active - joined) <= asked:
             return None
         failures = [f"worker {r}: {req.failed}" for r, req in sorted(item.requests.items())
@@ -184,13 +232,15 @@ class Coordinator:
     def _close(self, item: Item, refusal: str | None, standins: list[int]) -> list[Outgoing]:
         del self.items[item.name]
         for rank in item.requests:
-            if self.blocked.get(rank) == item.name:
-                del self.blocked[rank]
+            self.blocked.get(rank, set()).discard(item.name)
         if refusal is not None:
             self.refused += 1
             return [self._refusal(r, req.reqid, item.name, refusal)
-                    for r, req in item.requests.items()]
+                    for r, req in item.requests.items()] + \
+                [Outgoing(r, "standin", {"name": item.name, "push": None}) for r in standins]
         self.agreed += 1
+        for rank in item.requests:  # these workers' calls line up again
+            self.tombstones.pop(rank, None)
         own = {str(r): req.own for r, req in item.requests.items()}
         last = item.order[-1] if item.order else -1
         out = [Outgoing(r, "agreed", {"reqid": req.reqid, "name": item.name, "ok": True,
@@ -206,15 +256,20 @@ class Coordinator:
 
     def _break_deadlock(self) -> list[Outgoing]:
         """Every active worker waits, and no name can be answered: each name waited in lacks a
-        worker that waits elsewhere. Those names are refused, each saying who waits where."""
-        waits = {r: self.blocked[r] for r in sorted(self.active)}
-        where = ", ".join(f"worker {r} waits in {n!r}" for r, n in waits.items())
+        worker that waits elsewhere. Those names are refused, each saying who waits where; a
+        worker that had not asked for one is refused its next request of it at once (it is
+        one call behind the others: the refusal lines it up with them)."""
+        waits = {r: sorted(self.blocked[r]) for r in sorted(self.active)}
+        where = ", ".join(f"worker {r} waits in {' and '.join(map(repr, n))}"
+                          for r, n in waits.items())
         out: list[Outgoing] = []
-        for name in dict.fromkeys(waits.values()):
+        for name in dict.fromkeys(n for names in waits.values() for n in names):
             item = self.items.get(name)
             if item is None or name == JOIN:
                 continue
             missing = sorted(self.active - set(item.requests))
+            for rank in missing:
+                self.tombstones.setdefault(rank, set()).add(name)
             out += self._close(item, f"it can never complete: worker(s) {missing} have not called "
                                      f"it and wait elsewhere ({where})", [])
         return out

@@ -23,7 +23,7 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig, start_role
 from .coordinator import Coordinator, Outgoing
-from .env import EnvError
+from .env import EnvError, env_int
 from .liveness import RECONNECT_GRACE, ConnectionTable
 from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
 from .wire import Op
@@ -62,7 +62,8 @@ class Scheduler:
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
-        self.coordinator = Coordinator(config.num_workers)
+        self.coordinator = Coordinator(
+            config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
 
     def run(self) -> int:
         """Serve until every worker has finished (0) or a node is lost (non-zero)."""
@@ -83,6 +84,8 @@ class Scheduler:
                         return 0
                 for fd in self.conns.update():
                     self._connection_closed(fd)
+                if self.started:
+                    self._deliver(self.coordinator.tick())
                 lost = self._closed_node() or self._silent_node()
                 if lost is not None:
                     return self._lose(*lost)
@@ -209,7 +212,9 @@ class Scheduler:
         """A worker's request for a collective, or word that it waits for one."""
         x = msg.extra
         if msg.op == Op.BLOCKED:
-            if x.get("waiting", True):
+            if x.get("withdraw"):
+                self._deliver(self.coordinator.withdraw(node.rank, msg.round))
+            elif x.get("waiting", True):
                 self._deliver(self.coordinator.block(node.rank, msg.round))
             else:
                 self.coordinator.unblock(node.rank, msg.round)

@@ -199,9 +199,10 @@ class SchedulerLink:
         with ``reqid`` as the round."""
         self._send(Op.NEGOTIATE, round=reqid, **fields)
 
-    def block(self, reqid: int, waiting: bool) -> None:
-        """Say that this worker now waits for request ``reqid`` (or no longer does)."""
-        self._send(Op.BLOCKED, round=reqid, waiting=waiting)
+    def block(self, reqid: int, waiting: bool, withdraw: bool = False) -> None:
+        """Say that this worker now waits for request ``reqid``, no longer does, or (with
+        ``withdraw``) gives it up."""
+        self._send(Op.BLOCKED, round=reqid, waiting=waiting, withdraw=withdraw)
 
     def finish(self) -> None:
         """Tell the scheduler this node is done, so its going quiet is not a loss."""

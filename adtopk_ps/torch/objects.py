@@ -15,7 +15,7 @@ import pickle
 import torch
 
 from ..client import Agreement, Handle
-from .ops import collective_name, key_name, occupy, refuse_everywhere
+from .ops import claim, collective_name, key_name, occupy, refuse_everywhere
 from .runtime import client
 
 
@@ -43,6 +43,7 @@ def broadcast_object(obj: object, root_rank: int = 0, name: str | None = None) -
     """
     c = client()
     name = collective_name("broadcast_object", name)
+    claim(name)
     try:
         if not isinstance(root_rank, int) or not 0 <= root_rank < c.size:
             raise ValueError(f"broadcast_object: root_rank {root_rank!r} is not a worker rank "
@@ -73,6 +74,7 @@ def allgather_object(obj: object, name: str | None = None) -> list:
     """
     c = client()
     name = collective_name("allgather_object", name)
+    claim(name)
     try:
         blob = pickle.dumps(obj)
     except Exception as exc:  # noqa: BLE001 - pickling raises many types; all are refusals

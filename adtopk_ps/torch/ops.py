@@ -44,7 +44,7 @@ from .runtime import client
 
 FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
 UNNAMED_SLOTS = 16  # data keys that unnamed calls of one kind cycle through
-_UNNAMED = re.compile(r"^(.*\.noname)\.(\d+)$")
+_UNNAMED = re.compile(r"^(.*\.noname)\.(\d+)((?:\.grad)*)$")  # a gradient's call keeps its slot
 EXACT = 1 << 53  # float64 holds every integer below this
 
 
@@ -91,7 +91,6 @@ class _Table:
     def __init__(self) -> None:
         self.ops: dict[int, _Op] = {}
         self.ids = itertools.count(1)
-        self.unnamed: dict[str, int] = {}
         self.slots: dict[str, Handle] = {}  # an unnamed call's data slot -> its last user
 
 
@@ -114,11 +113,11 @@ def _wire(tensor: object, what: str, size: int) -> torch.Tensor:
     if tensor.dtype in FLOATS:
         return tensor.detach().contiguous()
     if tensor.dtype == torch.bool or not (tensor.is_floating_point() or tensor.is_complex()):
-        if tensor.dtype == torch.int64 and tensor.numel() and \
-                int(tensor.detach().abs().max()) * size >= EXACT:
-            raise ValueError(f"{what}: int64 values up to {int(tensor.detach().abs().max())} "
-                             f"summed over {size} workers may reach 2**53, beyond what travels "
-                             f"exactly (as float64)")
+        largest = max(abs(int(tensor.max())), abs(int(tensor.min()))) \
+            if tensor.dtype == torch.int64 and tensor.numel() else 0  # Python ints: no overflow
+        if largest * size >= EXACT:
+            raise ValueError(f"{what}: int64 values up to {largest} summed over {size} workers "
+                             f"may reach 2**53, beyond what travels exactly (as float64)")
         return tensor.detach().to(torch.float64).contiguous()
     raise ValueError(f"{what}: tensors of dtype {tensor.dtype} are not supported; supported: "
                      f"{[str(d) for d in FLOATS]}, integer types and bool")
@@ -133,7 +132,7 @@ def _slot(name: str) -> str | None:
     """The data slot of an unnamed call's name (``allreduce.noname.17`` -> ``allreduce.noname.slot1``);
     None for a named one."""
     match = _UNNAMED.match(name)
-    return f"{match[1]}.slot{int(match[2]) % UNNAMED_SLOTS}" if match else None
+    return f"{match[1]}.slot{int(match[2]) % UNNAMED_SLOTS}{match[3]}" if match else None
 
 
 def key_name(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> str:
@@ -147,17 +146,10 @@ def collective_name(kind: str, name: str | None) -> str:
     worker made before it (horovod's rule: every worker makes its unnamed calls in one order).
     Every call so named is agreed, so a worker whose call failed on its side still counts it.
 
-    An unnamed call's data cycles through :data:`UNNAMED_SLOTS` keys, so that a loop of
-    unnamed calls does not make a key per call; it first waits for its slot's last use."""
+    An unnamed call's data cycles through :data:`UNNAMED_SLOTS` keys (see :func:`claim`), so
+    that a loop of unnamed calls does not make a key per call."""
     if name is None:
-        table = _table(client())
-        n = table.unnamed.get(kind, 0)
-        table.unnamed[kind] = n + 1
-        name = f"{kind}.noname.{n}"
-        previous = table.slots.get(_slot(name))
-        if previous is not None:
-            previous.wait_done(client().timeout)  # its own synchronize() reports its outcome
-        return name
+        return client().unnamed_name(kind)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
     return f"{kind}.{name}"
@@ -181,6 +173,15 @@ def _route(compressor: Compressor | None, wire: torch.Tensor) -> Compressor | No
     return None if SparsificationPolicy(compressor.ratio).route(wire).dense else compressor
 
 
+def claim(name: str) -> None:
+    """Wait until an unnamed call's data slot is free: its last user is done (told to the
+    scheduler as any wait is, so that a last user no worker will complete is refused)."""
+    slot = _slot(name)
+    previous = _table(client()).slots.get(slot) if slot is not None else None
+    if previous is not None:
+        previous.settle()
+
+
 def occupy(name: str, handle: Handle) -> None:
     """An unnamed call's ``handle`` holds its data slot until it is done."""
     slot = _slot(name)
@@ -197,17 +198,20 @@ def _register(c: PSClient, name: str, handle: Handle,
     return ident
 
 
-def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: object = None,
-            priority: int | None = None, inplace: bool = False, root: int | None = None,
-            kind: str = "", name: str | None = None, full_name: str | None = None,
-            scale: tuple[float, float] = (1.0, 1.0)) -> int:
+def _submit(tensor: torch.Tensor, *, what: str, kind: str, average: bool | None = None,
+            op: object = None, compression: object = None, priority: int | None = None,
+            inplace: bool = False, root: int | None = None, name: str | None = None,
+            full_name: str | None = None, scale: tuple[float, float] = (1.0, 1.0)) -> int:
     """Start one agreed sum; returns its handle. ``root``: only that rank contributes (a
     broadcast). ``full_name`` is used as it is; otherwise ``kind`` and ``name`` make it (see
-    :func:`collective_name`). Anything wrong on this worker's side is refused on every
-    worker (:func:`refuse_everywhere`)."""
+    :func:`collective_name`). Anything wrong on this worker's side (``op``, ``average``,
+    ``compression``, the tensor, ``root``) is refused on every worker
+    (:func:`refuse_everywhere`): it is checked after the call has its name."""
     c = client()
     name = full_name or collective_name(kind, name)
+    claim(name)
     try:
+        average = averages(op, average)
         compressor = compressor_of(compression)
         wire = _wire(tensor, what, c.size)
         integral = wire.dtype != tensor.dtype
@@ -227,7 +231,7 @@ def _submit(tensor: torch.Tensor, *, what: str, average: bool, compression: obje
     # a contiguous floating tensor in place receives the answer in its own memory
     direct = inplace and not integral and send.data_ptr() == tensor.data_ptr()
     key = key_name(name, send.dtype, tuple(send.shape))
-    match = {"kind": what.rstrip("_"), "dtype": dtype_name(tensor.dtype),
+    match = {"kind": kind, "dtype": dtype_name(tensor.dtype),
              "shape": list(tensor.shape), "op": "average" if average else "sum",
              "scale": [pre, post], "root": root,
              "compression": "none" if route is None else compressor_label(route)}
@@ -326,27 +330,36 @@ class _Reduction:
     kind: str
     what: str
     name: str | None
-    average: bool
+    average: bool | None
     compression: object
+    op: object = None
     priority: int | None = None
     scale: tuple[float, float] = (1.0, 1.0)
-    grad_named: bool = True  # byteps' backward reuses the name; horovod's goes unnamed
+    full_name: str | None = None  # set for a gradient's call: the forward's name + ".grad"
 
 
 class _Reduce(torch.autograd.Function):
-    """A push_pull whose backward push_pulls the gradient the same way."""
+    """A push_pull whose backward push_pulls the gradient the same way, under the forward's
+    name and ``.grad`` (never the unnamed-call order, which a backward pass run on some
+    workers only would shift)."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, spec: _Reduction) -> torch.Tensor:
-        ctx.spec = spec
-        return synchronize(_submit(tensor, what=spec.what, average=spec.average,
-                                   compression=spec.compression, priority=spec.priority,
-                                   kind=spec.kind, name=spec.name, scale=spec.scale))
+        ident = _submit(tensor, what=spec.what, average=spec.average, op=spec.op,
+                        compression=spec.compression, priority=spec.priority, kind=spec.kind,
+                        name=spec.name, full_name=spec.full_name, scale=spec.scale)
+        ctx.spec, ctx.name = spec, _op(ident, pop=False).handle.name
+        return synchronize(ident)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec if ctx.spec.grad_named else replace(ctx.spec, name=None)
-        return _Reduce.apply(grad, spec), None
+        return _Reduce.apply(grad, replace(ctx.spec, full_name=f"{ctx.name}.grad")), None
+
+
+def _gradient_sum(grad: torch.Tensor, forward: str) -> torch.Tensor:
+    """The sum over the workers of ``grad``, the gradient of the call named ``forward``."""
+    return synchronize(_submit(grad, what="allreduce", kind="allreduce", op=Sum,
+                               full_name=f"{forward}.grad"))
 
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
@@ -361,9 +374,8 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
     """
     if name is None:
         raise ValueError("push_pull needs a name: push_pull(tensor, name=...), as in byteps")
-    compressor_of(compression)  # refused here, before autograd wraps the error
-    return _Reduce.apply(tensor, _Reduction("byteps", "push_pull", name, bool(average), compression,
-                                            _byteps_priority(priority)))
+    return _Reduce.apply(tensor, _Reduction("byteps", "push_pull", name, average, compression,
+                                            priority=_byteps_priority(priority)))
 
 
 def declare(name: str, staleness: int = 0) -> int:
@@ -381,17 +393,16 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: object = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0) -> int:
     """Start averaging (``op=Average``, the default) or summing ``tensor`` over every worker."""
-    return _submit(tensor, what="allreduce_async", average=averages(op, average),
-                   kind="allreduce", name=name, scale=(prescale_factor, postscale_factor))
+    return _submit(tensor, what="allreduce_async", average=average, op=op, kind="allreduce",
+                   name=name, scale=(prescale_factor, postscale_factor))
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: object = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> int:
     """Like :func:`allreduce_async`, the result written into ``tensor``."""
-    return _submit(tensor, what="allreduce_async_", average=averages(op, average),
-                   inplace=True, kind="allreduce", name=name,
-                   scale=(prescale_factor, postscale_factor))
+    return _submit(tensor, what="allreduce_async_", average=average, op=op, inplace=True,
+                   kind="allreduce", name=name, scale=(prescale_factor, postscale_factor))
 
 
 def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -404,11 +415,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
         loss = hvd.allreduce(loss, op=hvd.Average)
     """
-    mean = averages(op, average)
-    compressor_of(compression)
-    return _Reduce.apply(tensor, _Reduction("allreduce", "allreduce", name, mean, compression,
-                                            scale=(prescale_factor, postscale_factor),
-                                            grad_named=False))
+    return _Reduce.apply(tensor, _Reduction("allreduce", "allreduce", name, average, compression,
+                                            op=op, scale=(prescale_factor, postscale_factor)))
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -434,12 +442,13 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, root_rank: int, name: str | None) -> torch.Tensor:
-        ctx.root_rank = root_rank
-        return synchronize(broadcast_async(tensor, root_rank, name))
+        ident = broadcast_async(tensor, root_rank, name)
+        ctx.root_rank, ctx.name = root_rank, _op(ident, pop=False).handle.name
+        return synchronize(ident)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        summed = allreduce(grad, op=Sum)  # every worker's output came from the root's input
+        summed = _gradient_sum(grad, ctx.name)  # every worker's output came from the root's input
         return (summed if client().rank == ctx.root_rank else torch.zeros_like(summed)), None, None
 
 
@@ -464,6 +473,7 @@ def _allgather_start(tensor: torch.Tensor, name: str | None) -> int:
     learn each other's first dimension; each pushes a table with its own rows filled."""
     c = client()
     name = collective_name("allgather", name)
+    claim(name)
     try:
         t = tensor.unsqueeze(0) if isinstance(tensor, torch.Tensor) and tensor.dim() == 0 else tensor
         wire = _wire(t, "allgather", c.size)
@@ -505,11 +515,12 @@ class _Allgather(torch.autograd.Function):
         handle = _op(ident, pop=False).handle
         result = synchronize(ident)
         ctx.offset, ctx.rows = _rows(handle)
+        ctx.name = handle.name
         return result
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return allreduce(grad, op=Sum).narrow(0, ctx.offset, ctx.rows), None
+        return _gradient_sum(grad, ctx.name).narrow(0, ctx.offset, ctx.rows), None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None) -> torch.Tensor:

@@ -6,19 +6,25 @@ boolean tensors travel as float64, exact for every value below 2**53).
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Iterable, Mapping
 
 import torch
 
 from .objects import broadcast_object
-from .ops import _submit, synchronize
-from .runtime import rank
+from .ops import _submit, refuse_everywhere, synchronize
+from .runtime import client, rank
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int = 0,
                          prefix: str = "broadcast") -> None:
     """Overwrite ``params`` in place with the root's: a state_dict, named pairs
     (``named_parameters()``) or a bare list of tensors (``parameters()``, named by position).
+    None values are skipped, as horovod does.
+
+    The workers first agree the list itself (names, shapes, dtypes): a model that differs on
+    some worker, or a value that is not a tensor, is refused on every worker at once, before
+    any tensor moves.
 
     Example::
 
@@ -28,13 +34,20 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         items = sorted(params.items(), key=lambda kv: kv[0])
     else:
         items = [p if isinstance(p, tuple) else (str(i), p) for i, p in enumerate(params)]
-    items = [(name, value) for name, value in items if value is not None]  # as horovod skips them
-    for name, value in items:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"broadcast_parameters: {name!r} is a {type(value).__name__}, "
-                            f"not a tensor")
-    handles = [_submit(value, what=f"broadcast_parameters ({name!r})", average=False,
-                       root=root_rank, inplace=True, full_name=f"{prefix}.{name}")
+    items = [(name, value) for name, value in items if value is not None]
+    listed = f"{prefix}.parameters"
+    wrong = [name for name, value in items if not isinstance(value, torch.Tensor)]
+    if wrong:
+        kind = type(dict(items)[wrong[0]]).__name__
+        refuse_everywhere(listed, TypeError(f"broadcast_parameters: {wrong[0]!r} is a {kind}, "
+                                            f"not a tensor"))
+    described = repr([(name, tuple(v.shape), str(v.dtype)) for name, v in items]).encode()
+    client().collective(listed, {
+        "kind": "broadcast_parameters", "root": root_rank, "tensors": len(items),
+        "names, shapes and dtypes (digest)": hashlib.blake2b(described, digest_size=6).hexdigest(),
+    }).wait()
+    handles = [_submit(value, what=f"broadcast_parameters ({name!r})", kind="broadcast",
+                       average=False, root=root_rank, inplace=True, full_name=f"{prefix}.{name}")
                for name, value in items]
     for handle in handles:
         synchronize(handle)

@@ -65,6 +65,50 @@ refused("unpicklable on the root", lambda: hvd.broadcast_object(
     expect=TypeError if rank == 0 else CollectiveError)
 refused("skipped call", lambda: hvd.allreduce(torch.ones(2), name=f"only-on-{rank}"),
         text="wait elsewhere")
+refused("op on one worker", lambda: hvd.allreduce(torch.ones(2), op=hvd.Max if rank == 1 else hvd.Sum),
+        expect=ValueError if rank == 1 else CollectiveError, text=None)
+refused("int64 minimum", lambda: hvd.allreduce(torch.tensor([-2**63 if rank == 0 else 1])),
+        expect=ValueError if rank == 0 else CollectiveError)
+
+# the same call through different entry points meets: allreduce, allreduce_, allreduce_async
+variant = [lambda t: hvd.allreduce(t, name="variants", op=hvd.Sum),
+           lambda t: hvd.allreduce_(t, name="variants", op=hvd.Sum),
+           lambda t: hvd.synchronize(hvd.allreduce_async(t, name="variants", op=hvd.Sum))][rank]
+say("entry points meet", torch.equal(variant(torch.ones(3)), torch.full((3,), float(size))))
+
+# a backward pass on one worker only (its input alone needs a gradient): the gradient's call
+# is named after the forward's, so unnamed calls after it still meet, after one refusal each
+x = torch.ones(3, requires_grad=rank == 0)
+y = hvd.allreduce(x)
+if rank == 0:
+    try:
+        y.sum().backward()
+        say("backward on one worker", False, "did not raise")
+    except CollectiveError as exc:
+        say("backward on one worker", "allreduce.noname" in str(exc) and ".grad" in str(exc), str(exc))
+try:
+    hvd.allreduce(torch.ones(1))
+    say("the next unnamed call", rank != 0, "did not raise")
+except CollectiveError as exc:
+    say("the next unnamed call", True)
+lined_up = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum)
+say("unnamed calls line up again", torch.equal(lined_up, torch.full((2,), float(sum(range(size))))),
+    str(lined_up))
+
+# a wait that times out gives the call up (no worker goes on with a sum it abandoned); the
+# same name called again meets the others' late calls
+if rank == 0:
+    patience, hvd.client().timeout = hvd.client().timeout, 0.5
+    try:
+        hvd.allreduce(torch.ones(2), name="given-up")
+        say("timed out", False, "did not time out")
+    except TimeoutError:
+        say("timed out", True)
+    hvd.client().timeout = patience
+else:
+    time.sleep(1.5)
+late = hvd.allreduce(torch.full((2,), float(rank)), op=hvd.Sum, name="given-up")
+say("after a timeout", torch.equal(late, torch.full((2,), float(sum(range(size))))), str(late))
 
 # a duplicate name in flight is refused on the worker that makes it; the first call completes
 first = hvd.allgather_async(torch.full((1, 2), float(rank)), name="duplicate_name")
