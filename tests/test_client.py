@@ -200,14 +200,20 @@ def test_two_rounds_of_one_key_in_flight_are_answered_in_order():
     config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
                                      "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
                                      "DMLC_PS_ROOT_PORT": "9"})
-    engine = Engine(config, zmq.Context())
-    owner = types.SimpleNamespace(size=2, timeout=5.0)
-    handles = [Handle(owner, f"round{r}", torch.zeros(3), 1, False) for r in range(2)]
-    for r, h in enumerate(handles):
-        engine._inflight.setdefault(7, deque()).append(
-            _Part(h, h.out, r, Dense(), f"round{r}#0"))
-    for r in range(2):
-        answer = Payload("dense", (3,), torch.float32, torch.full((3,), float(r + 1)))
-        engine._on_answer(0, wire.encode(wire.Op.RESULT, key=7, round=r, payload=answer))
-    assert [h.wait(1).tolist() for h in handles] == [[1.0] * 3, [2.0] * 3]
-    assert engine._inflight == {}
+    ctx = zmq.Context()
+    engine = Engine(config, ctx)  # its thread is never started: the test plays its part
+    try:
+        owner = types.SimpleNamespace(size=2, timeout=5.0)
+        handles = [Handle(owner, f"round{r}", torch.zeros(3), 1, False) for r in range(2)]
+        for r, h in enumerate(handles):
+            engine._inflight.setdefault(7, deque()).append(
+                _Part(h, h.out, r, Dense(), f"round{r}#0"))
+        for r in range(2):
+            answer = Payload("dense", (3,), torch.float32, torch.full((3,), float(r + 1)))
+            engine._on_answer(0, wire.encode(wire.Op.RESULT, key=7, round=r, payload=answer))
+        assert [h.wait(1).tolist() for h in handles] == [[1.0] * 3, [2.0] * 3]
+        assert engine._inflight == {}
+    finally:  # a context with open sockets would block whoever collects it
+        engine.stop(0)
+        engine._wake_in.close(0)
+        ctx.term()
