@@ -1,4 +1,5 @@
 """byteps' and horovod's APIs used the way their example scripts use them, on real clusters."""
+import os
 import re
 import sys
 from pathlib import Path
@@ -82,3 +83,23 @@ def test_compression_names_resolve_and_unknown_ones_are_refused():
     for bad, kind in ((object(), TypeError), ("zip", ValueError), (3, TypeError)):
         with pytest.raises(kind, match="unknown compress"):
             compressor_of(bad)
+
+
+def test_horovod_suite_shim_is_adtopk_ps_torch_under_horovods_name(tmp_path):
+    """adtopk_ps.testing.horovod_suite runs horovod's own test file with only the import
+    changed: its ``horovod.torch`` is ours, and a tree without the test file is refused."""
+    import subprocess
+
+    from adtopk_ps.testing.horovod_suite import OFFERED, main, write_shim
+    write_shim(tmp_path)
+    probe = ("import horovod.torch as hvd, adtopk_ps.torch as ours, inspect, common_probe;"
+             "assert hvd.allreduce is ours.allreduce and hvd.join is ours.join;"
+             "assert hasattr(inspect, 'getargspec');"
+             "from horovod.runner.util.threads import in_thread; import mock;"
+             "print('shim ok')")
+    (tmp_path / "common_probe.py").write_text("")
+    out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "shim ok", out.stderr[-2000:]
+    assert len(OFFERED) == len(set(OFFERED)) == 44
+    assert main([str(tmp_path / "no-horovod-here")]) == 2
