@@ -62,6 +62,7 @@ class Scheduler:
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
+        self.fatal: str | None = None  # why the job cannot go on (roles that disagree)
         self.coordinator = Coordinator(
             config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
 
@@ -82,6 +83,8 @@ class Scheduler:
                     if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
                         self._await_hangups(2.0)  # the shutdown notices leave before we do
                         return 0
+                if self.fatal is not None:
+                    return self._refuse_job(self.fatal)
                 for fd in self.conns.update():
                     self._connection_closed(fd)
                 if self.started:
@@ -170,6 +173,10 @@ class Scheduler:
         elif role == "server" and wid >= 0 and any(
                 n.role == "server" and n.rank == wid for n in self.nodes.values()):
             problem = f"PS_SERVER_ID={wid} is taken by another server"
+        if problem is None and role in ("server", "worker"):
+            problem = self._shape_disagrees(role, host, msg.extra)
+            if problem:
+                self.fatal = problem
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, Op.ERROR, message=problem)
@@ -182,6 +189,28 @@ class Scheduler:
             self._start()
         else:
             self._reply(identity, Op.HEARTBEAT, **self._progress())
+
+    def _shape_disagrees(self, role: str, host: object, extra: dict) -> str | None:
+        """Where a node was given another cluster shape than the scheduler, which variable,
+        and each side's value: the job cannot run (a server would wait for workers that
+        never come, or refuse ranks that exist)."""
+        cfg = self.config
+        for field, ours, variable in (
+                ("num_workers", cfg.num_workers, "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE"),
+                ("num_servers", cfg.num_servers, "DMLC_NUM_SERVER")):
+            theirs = extra.get(field)
+            if theirs != ours:
+                return (f"the {role} at {host} has {variable} = {theirs}, the scheduler "
+                        f"{ours}: every role must be given the same values")
+        return None
+
+    def _refuse_job(self, why: str) -> int:
+        """End the job at once for a cluster whose roles disagree, telling every node."""
+        log.error("%s; ending the job", why)
+        for node in self.nodes.values():
+            self._reply(node.identity, Op.NODE_LOST, what=f"the job cannot run: {why}")
+        self._await_hangups(1.0)
+        return 2
 
     def _progress(self) -> dict:
         """How many nodes of each role have registered, and how many the job needs."""

@@ -390,3 +390,32 @@ def test_a_worker_that_exits_0_before_the_others_join_ends_the_job_as_a_failure(
     assert result.returncode == 1, result.stdout[-2000:]
     assert "worker 1 exited 0 without joining the cluster" in result.stdout
     assert time.monotonic() - began < 40
+
+
+@pytest.mark.parametrize("variable, theirs", [("DMLC_NUM_WORKER", "3"), ("DMLC_NUM_SERVER", "2")])
+def test_roles_given_another_cluster_shape_end_the_job_naming_the_variable(variable, theirs):
+    """A server started with another DMLC_NUM_WORKER (or DMLC_NUM_SERVER) than the scheduler:
+    both end within seconds, naming the variable, each side's value and the host."""
+    port = str(free_port())
+    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "DMLC_NODE_HOST": "127.0.0.1"}
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    began = time.monotonic()
+    scheduler = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "scheduler"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "server",
+                                           variable: theirs},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        outs = [p.communicate(timeout=30)[0] for p in (scheduler, server)]
+    finally:
+        for p in (scheduler, server):
+            p.kill()
+            p.wait()
+    assert scheduler.returncode == 2 and server.returncode != 0, outs
+    assert time.monotonic() - began < 20
+    words = f"the server at 127.0.0.1 has {variable}"
+    for out in outs:
+        assert words in out and "the scheduler" in out, out[-2000:]

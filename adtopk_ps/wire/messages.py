@@ -26,7 +26,9 @@ from .payloads import payload_buffers, payload_fields
 #: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
 #: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
 #:    third frame naming the rows carried; see payloads.py)
-PROTOCOL = 3
+#: 4: collectives agreed at the scheduler (negotiate, agreed, blocked, standin); register
+#:    carries the cluster's shape
+PROTOCOL = 4
 
 
 class Op(str, Enum):
