@@ -58,7 +58,13 @@ class Scheduler:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(f"tcp://*:{config.root_port}")
+        try:
+            self.sock.bind(f"tcp://*:{config.root_port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise EnvError(f"cannot listen on DMLC_PS_ROOT_PORT={config.root_port}: {exc.strerror} "
+                           f"(another scheduler, or another program, holds it; stop it or "
+                           f"choose another port)") from None
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False

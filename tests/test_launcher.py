@@ -3,6 +3,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -419,3 +420,22 @@ def test_roles_given_another_cluster_shape_end_the_job_naming_the_variable(varia
     words = f"the server at 127.0.0.1 has {variable}"
     for out in outs:
         assert words in out and "the scheduler" in out, out[-2000:]
+
+
+def test_a_scheduler_whose_port_is_taken_says_so_and_exits_2():
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("", port))
+    holder.listen()
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+        env.update({**FAST, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
+                    "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                    "DMLC_PS_ROOT_PORT": str(port)})
+        out = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher"], env=env,
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        holder.close()
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert f"cannot listen on DMLC_PS_ROOT_PORT={port}" in text and "Traceback" not in text
