@@ -162,16 +162,17 @@ class Engine:
             self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
         self._poke()
 
-    def finish(self) -> None:
-        """Queue this worker's finish, behind every push and request queued before it."""
+    def finish(self, failed: str | None = None) -> None:
+        """Queue this worker's finish, behind every push and request queued before it;
+        ``failed``: the error its process ends on."""
         with self.lock:
-            self._commands.append((Op.FINISH, 0, {}))
+            self._commands.append((Op.FINISH, 0, {"failed": failed}))
         self._poke()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, failed: str | None = None) -> None:
         """Finish (if the thread still runs) and wait up to ``timeout`` for the thread to end."""
         if self._thread.is_alive():
-            self.finish()
+            self.finish(failed)
             self._thread.join(timeout)
         self._wake_out.close(0)
 
@@ -248,7 +249,7 @@ class Engine:
                     marker = wire.encode(Op.FINISH, sender=self.rank)
                     for sock in servers:
                         send(sock, marker)
-                    link.finish()
+                    link.finish(fields["failed"])
                     finishing = True
             self._launch(servers)  # what an agreement or a stand-in queued
             if finishing and link.shutdown:

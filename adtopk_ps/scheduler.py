@@ -69,11 +69,13 @@ class Scheduler:
         self.nodes: dict[bytes, Node] = {}
         self.started = False
         self.fatal: str | None = None  # why the job cannot go on (roles that disagree)
+        self.failures: list[str] = []  # workers whose processes ended on an error
         self.coordinator = Coordinator(
             config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
 
     def run(self) -> int:
-        """Serve until every worker has finished (0) or a node is lost (non-zero)."""
+        """Serve until every worker has finished (0; 1 if one ended on an error) or a node
+        is lost (non-zero)."""
         cfg = self.config
         log.info("scheduler listening on port %d for %d server(s) and %d worker(s) (pid %d)",
                  cfg.root_port, cfg.num_servers, cfg.num_workers, os.getpid())
@@ -88,7 +90,7 @@ class Scheduler:
                 for identity, *frames in drain(self.sock):
                     if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
                         self._await_hangups(2.0)  # the shutdown notices leave before we do
-                        return 0
+                        return 1 if self.failures else 0
                 if self.fatal is not None:
                     return self._refuse_job(self.fatal)
                 for fd in self.conns.update():
@@ -146,7 +148,8 @@ class Scheduler:
         elif msg.op in (Op.NEGOTIATE, Op.BLOCKED) and node.role == "worker":
             self._negotiate(node, msg)
         elif msg.op == Op.FINISH:
-            return self._finish(node)
+            failed = msg.extra.get("failed")
+            return self._finish(node, failed if isinstance(failed, str) else None)
         else:
             self._reply(identity, Op.ERROR, message=f"op {msg.op.value!r} is not for the scheduler")
         return False
@@ -280,18 +283,29 @@ class Scheduler:
             else:
                 self._reply(node.identity, Op.STANDIN, **out.fields)
 
-    def _finish(self, node: Node) -> bool:
+    def _finish(self, node: Node, failed: str | None = None) -> bool:
+        """A node is done; ``failed``: its process is ending on this error, and the job has
+        failed (every role then exits non-zero, naming it)."""
         node.finished = True
         self._reply(node.identity, Op.SHUTDOWN)
-        log.info("%s finished", node.label)
+        if failed:
+            self.failures.append(f"{node.label} failed: {failed}")
+            log.error("%s failed: %s", node.label, failed)
+        else:
+            log.info("%s finished", node.label)
         if node.role == "worker":
             self._deliver(self.coordinator.finished(node.rank))
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
+            verdict = {"failed": "; ".join(self.failures)} if self.failures else {}
             for n in self.nodes.values():
                 if n.role == "server":
                     n.finished = True
-                    self._reply(n.identity, Op.SHUTDOWN)
-            log.info("all workers finished; shutting down")
+                    self._reply(n.identity, Op.SHUTDOWN, **verdict)
+            if self.failures:
+                log.error("all workers finished, %d of them on an error; shutting down with "
+                          "status 1", len(self.failures))
+            else:
+                log.info("all workers finished; shutting down")
             return True
         return False
 

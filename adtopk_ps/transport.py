@@ -87,6 +87,7 @@ class SchedulerLink:
         self.book: dict = {}
         self.progress: dict = {}  # who has registered so far, while we wait for the book
         self.shutdown = False
+        self.failed: str | None = None  # with the shutdown: why the job failed, if it did
         self._last_heard = self._last_sent = time.monotonic()
         self._server_id = {"server_id": env_int("PS_SERVER_ID", minimum=0)} \
             if config.role == "server" and os.environ.get("PS_SERVER_ID", "").strip() else {}
@@ -175,6 +176,7 @@ class SchedulerLink:
             raise ClusterError(f"the scheduler refused this node: {msg.extra.get('message')}")
         elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
+            self.failed = msg.extra.get("failed")
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:
@@ -204,9 +206,10 @@ class SchedulerLink:
         ``withdraw``) gives it up."""
         self._send(Op.BLOCKED, round=reqid, waiting=waiting, withdraw=withdraw)
 
-    def finish(self) -> None:
-        """Tell the scheduler this node is done, so its going quiet is not a loss."""
-        self._send(Op.FINISH)
+    def finish(self, failed: str | None = None) -> None:
+        """Tell the scheduler this node is done, so its going quiet is not a loss; ``failed``:
+        its process is ending on this error (the job then fails)."""
+        self._send(Op.FINISH, **({"failed": failed} if failed else {}))
 
     def close(self) -> None:
         """Close the link to the scheduler."""

@@ -92,6 +92,10 @@ class Server:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
+            if self.link.failed:
+                log.error("server %d: the job failed (%s); shutting down", self.link.rank,
+                          self.link.failed)
+                return 1
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
         except ClusterError as exc:

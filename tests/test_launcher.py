@@ -439,3 +439,37 @@ def test_a_scheduler_whose_port_is_taken_says_so_and_exits_2():
     assert out.returncode == 2, out.stdout + out.stderr
     text = out.stdout + out.stderr
     assert f"cannot listen on DMLC_PS_ROOT_PORT={port}" in text and "Traceback" not in text
+
+
+def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_too():
+    """On Kubernetes each role is its own Job: one whose worker raised must not show the
+    scheduler and server Jobs as Complete. Every role exits non-zero, naming the error."""
+    port = str(free_port())
+    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1"}
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    program = ("import os, torch, adtopk_ps.torch as bps\n"
+               "bps.init()\n"
+               "bps.allreduce(torch.ones(2), name='step')\n"
+               "if bps.rank() == 1: raise RuntimeError('the data loader broke')\n")
+    procs = [subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": role},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("scheduler", "server")]
+    procs += [subprocess.Popen([*launch, sys.executable, "-c", program],
+                               env={**clean, **common, "DMLC_ROLE": "worker",
+                                    "DMLC_WORKER_ID": str(w)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for w in range(2)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    scheduler, server, worker0, worker1 = (p.returncode for p in procs)
+    assert (worker0, worker1) == (0, 1), outs
+    assert scheduler == 1 and server == 1, outs
+    for out in outs[:2]:
+        assert "RuntimeError: the data loader broke" in out, out[-2000:]
