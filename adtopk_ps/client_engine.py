@@ -193,7 +193,7 @@ class Engine:
             self.rank, self.servers = link.rank, list(book["servers"])
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
-                                   curve="client")
+                                   curve="client", data=True)
                 watches.append(PeerWatch(sock))
                 sock.connect(address)
                 servers.append(sock)
