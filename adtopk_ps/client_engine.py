@@ -123,6 +123,7 @@ class Engine:
         self._wake_out = make_socket(ctx, zmq.PUSH)
         self._wake_out.connect(wake_addr)
         self._ready = threading.Event()
+        self._started_at = 0.0  # when the servers' connections were opened
         self._thread = threading.Thread(target=self._run, name="adtopk-engine", daemon=True)
 
     def start(self) -> None:
@@ -193,10 +194,11 @@ class Engine:
             self.rank, self.servers = link.rank, list(book["servers"])
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
-                                   curve="client", data=True)
+                                   curve="client", data=self.config)
                 watches.append(PeerWatch(sock))
                 sock.connect(address)
                 servers.append(sock)
+            self._started_at = time.monotonic()
             self._ready.set()
             self._serve(link, servers, watches)
             linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
@@ -270,14 +272,24 @@ class Engine:
             self.on_standin(msg.extra)
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
-        """Raise when a server's connection closed for good; once this worker has finished,
-        the servers may exit before the scheduler's answer comes (events are still read:
-        a monitor nobody reads fills up)."""
+        """Raise when a server's connection closed for good, or never opened within the
+        heartbeat timeout; once this worker has finished, the servers may exit before the
+        scheduler's answer comes (events are still read: a monitor nobody reads fills up)."""
+        waited = time.monotonic() - self._started_at
         for index, watch in enumerate(watches):
+            if not watch.lost() and not watch.ever_connected and not finishing \
+                    and waited > self.config.heartbeat_timeout:
+                raise ClusterError(
+                    f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
+                    f"no connection in {waited:.0f} s (a firewall, or the server's address "
+                    f"is not reachable from this host?); ending the job")
             if watch.lost() and not finishing:
-                raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
-                                   f"closed {watch.closed_for():.1f} s ago and did not come back "
-                                   f"(it exited or was killed); ending the job")
+                raise ClusterError(
+                    f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
+                    f"their connection closed {watch.closed_for():.1f} s ago and did not come "
+                    f"back (the server exited or was killed, or nothing came back over the "
+                    f"link for {self.config.heartbeat_timeout:.0f} s: PS_HEARTBEAT_TIMEOUT_MS); "
+                    f"ending the job")
 
     def _launch(self, servers: list[zmq.Socket]) -> None:
         while True:

@@ -44,21 +44,29 @@ def security(ctx: zmq.Context) -> Security:
 
 
 def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
-                curve: str | None = None, data: bool = False) -> zmq.Socket:
+                curve: str | None = None, data: ClusterConfig | None = None) -> zmq.Socket:
     """A socket that never lingers; ``curve`` is "server" for one that binds, "client" for
     one that connects, None for inproc sockets (which never leave the process).
 
-    ``data``: a socket of the data path (pushes and answers), whose high-water marks are
-    unlimited. zmq's default of 1,000 messages makes a ROUTER drop answers silently, and a
-    worker pushes one message per key: a tensor cut into thousands of keys would hang. A
-    worker has at most one round of a key in flight (two, briefly, after a join()
-    stand-in), so what waits in the queues is bounded by the model's own size.
+    ``data``: the cluster's config, for a socket of the data path (pushes and answers):
+    - its high-water marks are unlimited. zmq's default of 1,000 messages makes a ROUTER
+      drop answers silently, and a worker pushes one message per key: a tensor cut into
+      thousands of keys would hang. A worker has at most one round of a key in flight
+      (two, briefly, after a join() stand-in), so what waits in the queues is bounded by
+      the model's own size;
+    - zmq pings the peer every heartbeat interval and closes the connection when nothing
+      at all has come back for the heartbeat timeout, so that a link that drops every
+      packet (a broken switch, a firewall) is seen as a closed connection (liveness.py)
+      instead of a silent wait. A slow link that still delivers keeps the connection.
     """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    if data:
+    if data is not None:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(data.heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(data.heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(data.heartbeat_timeout * 1000))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if curve == "server":

@@ -64,7 +64,7 @@ class Server:
                  ctx: zmq.Context | None = None):
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
-        self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=True)
+        self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=config)
         self.port = self.data.bind_to_random_port("tcp://*")
         self.link = SchedulerLink(self.ctx, config)
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
