@@ -326,6 +326,8 @@ class Engine:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        if msg.op == Op.STALL:
+            return self._on_stall(server, msg)
         waiting = self._inflight.get(msg.key)
         part = waiting.popleft() if waiting else None
         if waiting is not None and not waiting:
@@ -356,6 +358,17 @@ class Engine:
             payload.write_into(part.view, handle.divisor)
             part.compressor.restore(part.view, part.name)
         handle.part_done()
+
+    def _on_stall(self, server: int, msg: wire.Message) -> None:
+        """A server says that rounds this worker waits in wait for other workers: named here,
+        with the tensors (once per server and set of workers)."""
+        x = msg.extra
+        names = sorted({part.handle.name for key in x.get("keys", [])
+                        for part in self._inflight.get(key, ())})
+        log.warning("worker %d: %s round(s) on server %d have waited %.0f s for worker(s) %s, "
+                    "which pushed nothing for them; tensors: %s%s", self.rank, x.get("rounds"),
+                    server, x.get("seconds", 0), x.get("missing"), ", ".join(names[:8]),
+                    " ..." if len(names) > 8 else "")
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:

@@ -68,7 +68,7 @@ class Scheduler:
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
-        self.fatal: str | None = None  # why the job cannot go on (roles that disagree)
+        self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
         self.failures: list[str] = []  # workers whose processes ended on an error
         self.coordinator = Coordinator(
             config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
@@ -92,7 +92,7 @@ class Scheduler:
                         self._await_hangups(2.0)  # the shutdown notices leave before we do
                         return 1 if self.failures else 0
                 if self.fatal is not None:
-                    return self._refuse_job(self.fatal)
+                    return self._end_job(*self.fatal)
                 for fd in self.conns.update():
                     self._connection_closed(fd)
                 if self.started:
@@ -147,6 +147,8 @@ class Scheduler:
             self._reply(identity, Op.HEARTBEAT, **({} if self.started else self._progress()))
         elif msg.op in (Op.NEGOTIATE, Op.BLOCKED) and node.role == "worker":
             self._negotiate(node, msg)
+        elif msg.op == Op.STALL and node.role == "server":
+            self._stall(node, msg.extra)
         elif msg.op == Op.FINISH:
             failed = msg.extra.get("failed")
             return self._finish(node, failed if isinstance(failed, str) else None)
@@ -185,7 +187,7 @@ class Scheduler:
         if problem is None and role in ("server", "worker"):
             problem = self._shape_disagrees(role, host, msg.extra)
             if problem:
-                self.fatal = problem
+                self.fatal = (f"the job cannot run: {problem}", 2)
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, Op.ERROR, message=problem)
@@ -213,13 +215,31 @@ class Scheduler:
                         f"{ours}: every role must be given the same values")
         return None
 
-    def _refuse_job(self, why: str) -> int:
-        """End the job at once for a cluster whose roles disagree, telling every node."""
+    def _end_job(self, why: str, status: int) -> int:
+        """End the job at once (roles that disagree, a stall), telling every node why."""
         log.error("%s; ending the job", why)
         for node in self.nodes.values():
-            self._reply(node.identity, Op.NODE_LOST, what=f"the job cannot run: {why}")
+            if not node.finished:
+                self._reply(node.identity, Op.NODE_LOST, what=why)
         self._await_hangups(1.0)
-        return 2
+        return status
+
+    def _stall(self, node: Node, x: dict) -> None:
+        """A server's rounds wait for some workers: said here, and past the abort threshold
+        the job ends naming them."""
+        missing = ", ".join(self._worker_label(r) for r in x.get("missing", []))
+        what = (f"{x.get('rounds', '?')} round(s) on {node.label} (keys {x.get('keys', [])[:4]}) "
+                f"have waited {x.get('seconds', 0):.0f} s for {missing or 'no worker'}, which "
+                f"pushed nothing for them (a hung training loop or data loader, or a call the "
+                f"others never make?)")
+        if x.get("abort"):
+            self.fatal = (f"the job stalled: {what} (PS_STALL_ABORT_S)", 1)
+        else:
+            log.warning("%s (PS_STALL_WARN_S)", what)
+
+    def _worker_label(self, rank: object) -> str:
+        node = next((n for n in self.nodes.values() if n.role == "worker" and n.rank == rank), None)
+        return node.label if node is not None else f"worker {rank}"
 
     def _progress(self) -> dict:
         """How many nodes of each role have registered, and how many the job needs."""

@@ -229,6 +229,10 @@ class SchedulerLink:
         its process is ending on this error (the job then fails)."""
         self._send(Op.FINISH, **({"failed": failed} if failed else {}))
 
+    def report(self, op: Op, fields: dict) -> None:
+        """Tell the scheduler something it should know (a server's stalled rounds)."""
+        self._send(op, **fields)
+
     def close(self) -> None:
         """Close the link to the scheduler."""
         self.watch.close()

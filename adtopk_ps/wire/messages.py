@@ -42,6 +42,7 @@ class Op(str, Enum):
     AGREED = "agreed"  # scheduler -> worker: request ``round`` agreed (or refused, and why)
     BLOCKED = "blocked"  # worker -> scheduler: it now waits for request ``round`` (or no longer)
     STANDIN = "standin"  # scheduler -> joined worker: push zeros for this agreed sum
+    STALL = "stall"  # server -> waiting workers and scheduler: rounds wait for these workers
     HEARTBEAT = "heartbeat"  # node <-> scheduler: still here (and, before the start, who is)
     FINISH = "finish"  # worker -> scheduler and servers: no push of its is left to come
     SHUTDOWN = "shutdown"  # scheduler -> node: the job is over
