@@ -314,12 +314,13 @@ class PSClient:
         waited for)."""
         self.collective(".barrier", {"kind": "barrier"}, release=True).wait(timeout)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Tell the scheduler this worker is done and stop the engine."""
+    def shutdown(self, timeout: float = 10.0, failed: str | None = None) -> None:
+        """Tell the scheduler this worker is done and stop the engine; ``failed``: the error
+        this worker's process ends on, which makes the job fail."""
         if self._closed:
             return
         self._closed = True
-        self._engine.stop(timeout)
+        self._engine.stop(timeout, failed)
 
     def check(self) -> None:
         """Raise what ended this worker's part in the job (a lost peer, a refused push), if any."""

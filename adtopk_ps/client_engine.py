@@ -123,6 +123,7 @@ class Engine:
         self._wake_out = make_socket(ctx, zmq.PUSH)
         self._wake_out.connect(wake_addr)
         self._ready = threading.Event()
+        self._started_at = 0.0  # when the servers' connections were opened
         self._thread = threading.Thread(target=self._run, name="adtopk-engine", daemon=True)
 
     def start(self) -> None:
@@ -162,16 +163,17 @@ class Engine:
             self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
         self._poke()
 
-    def finish(self) -> None:
-        """Queue this worker's finish, behind every push and request queued before it."""
+    def finish(self, failed: str | None = None) -> None:
+        """Queue this worker's finish, behind every push and request queued before it;
+        ``failed``: the error its process ends on."""
         with self.lock:
-            self._commands.append((Op.FINISH, 0, {}))
+            self._commands.append((Op.FINISH, 0, {"failed": failed}))
         self._poke()
 
-    def stop(self, timeout: float) -> None:
+    def stop(self, timeout: float, failed: str | None = None) -> None:
         """Finish (if the thread still runs) and wait up to ``timeout`` for the thread to end."""
         if self._thread.is_alive():
-            self.finish()
+            self.finish(failed)
             self._thread.join(timeout)
         self._wake_out.close(0)
 
@@ -192,10 +194,11 @@ class Engine:
             self.rank, self.servers = link.rank, list(book["servers"])
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
-                                   curve="client")
+                                   curve="client", data=self.config)
                 watches.append(PeerWatch(sock))
                 sock.connect(address)
                 servers.append(sock)
+            self._started_at = time.monotonic()
             self._ready.set()
             self._serve(link, servers, watches)
             linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
@@ -248,7 +251,7 @@ class Engine:
                     marker = wire.encode(Op.FINISH, sender=self.rank)
                     for sock in servers:
                         send(sock, marker)
-                    link.finish()
+                    link.finish(fields["failed"])
                     finishing = True
             self._launch(servers)  # what an agreement or a stand-in queued
             if finishing and link.shutdown:
@@ -269,14 +272,24 @@ class Engine:
             self.on_standin(msg.extra)
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
-        """Raise when a server's connection closed for good; once this worker has finished,
-        the servers may exit before the scheduler's answer comes (events are still read:
-        a monitor nobody reads fills up)."""
+        """Raise when a server's connection closed for good, or never opened within the
+        heartbeat timeout; once this worker has finished, the servers may exit before the
+        scheduler's answer comes (events are still read: a monitor nobody reads fills up)."""
+        waited = time.monotonic() - self._started_at
         for index, watch in enumerate(watches):
+            if not watch.lost() and not watch.ever_connected and not finishing \
+                    and waited > self.config.heartbeat_timeout:
+                raise ClusterError(
+                    f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
+                    f"no connection in {waited:.0f} s (a firewall, or the server's address "
+                    f"is not reachable from this host?); ending the job")
             if watch.lost() and not finishing:
-                raise ClusterError(f"server {index} ({self.servers[index]}) lost: its connection "
-                                   f"closed {watch.closed_for():.1f} s ago and did not come back "
-                                   f"(it exited or was killed); ending the job")
+                raise ClusterError(
+                    f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
+                    f"their connection closed {watch.closed_for():.1f} s ago and did not come "
+                    f"back (the server exited or was killed, or nothing came back over the "
+                    f"link for {self.config.heartbeat_timeout:.0f} s: PS_HEARTBEAT_TIMEOUT_MS); "
+                    f"ending the job")
 
     def _launch(self, servers: list[zmq.Socket]) -> None:
         while True:
@@ -313,6 +326,8 @@ class Engine:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        if msg.op == Op.STALL:
+            return self._on_stall(server, msg)
         waiting = self._inflight.get(msg.key)
         part = waiting.popleft() if waiting else None
         if waiting is not None and not waiting:
@@ -343,6 +358,17 @@ class Engine:
             payload.write_into(part.view, handle.divisor)
             part.compressor.restore(part.view, part.name)
         handle.part_done()
+
+    def _on_stall(self, server: int, msg: wire.Message) -> None:
+        """A server says that rounds this worker waits in wait for other workers: named here,
+        with the tensors (once per server and set of workers)."""
+        x = msg.extra
+        names = sorted({part.handle.name for key in x.get("keys", [])
+                        for part in self._inflight.get(key, ())})
+        log.warning("worker %d: %s round(s) on server %d have waited %.0f s for worker(s) %s, "
+                    "which pushed nothing for them; tensors: %s%s", self.rank, x.get("rounds"),
+                    server, x.get("seconds", 0), x.get("missing"), ", ".join(names[:8]),
+                    " ..." if len(names) > 8 else "")
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:

@@ -58,15 +58,24 @@ class Scheduler:
         self.ctx = ctx or zmq.Context.instance()
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.bind(f"tcp://*:{config.root_port}")
+        try:
+            self.sock.bind(f"tcp://*:{config.root_port}")
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            raise EnvError(f"cannot listen on DMLC_PS_ROOT_PORT={config.root_port}: {exc.strerror} "
+                           f"(another scheduler, or another program, holds it; stop it or "
+                           f"choose another port)") from None
         self.conns = ConnectionTable(self.sock)
         self.nodes: dict[bytes, Node] = {}
         self.started = False
+        self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
+        self.failures: list[str] = []  # workers whose processes ended on an error
         self.coordinator = Coordinator(
             config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
 
     def run(self) -> int:
-        """Serve until every worker has finished (0) or a node is lost (non-zero)."""
+        """Serve until every worker has finished (0; 1 if one ended on an error) or a node
+        is lost (non-zero)."""
         cfg = self.config
         log.info("scheduler listening on port %d for %d server(s) and %d worker(s) (pid %d)",
                  cfg.root_port, cfg.num_servers, cfg.num_workers, os.getpid())
@@ -81,7 +90,9 @@ class Scheduler:
                 for identity, *frames in drain(self.sock):
                     if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
                         self._await_hangups(2.0)  # the shutdown notices leave before we do
-                        return 0
+                        return 1 if self.failures else 0
+                if self.fatal is not None:
+                    return self._end_job(*self.fatal)
                 for fd in self.conns.update():
                     self._connection_closed(fd)
                 if self.started:
@@ -136,8 +147,11 @@ class Scheduler:
             self._reply(identity, Op.HEARTBEAT, **({} if self.started else self._progress()))
         elif msg.op in (Op.NEGOTIATE, Op.BLOCKED) and node.role == "worker":
             self._negotiate(node, msg)
+        elif msg.op == Op.STALL and node.role == "server":
+            self._stall(node, msg.extra)
         elif msg.op == Op.FINISH:
-            return self._finish(node)
+            failed = msg.extra.get("failed")
+            return self._finish(node, failed if isinstance(failed, str) else None)
         else:
             self._reply(identity, Op.ERROR, message=f"op {msg.op.value!r} is not for the scheduler")
         return False
@@ -170,6 +184,10 @@ class Scheduler:
         elif role == "server" and wid >= 0 and any(
                 n.role == "server" and n.rank == wid for n in self.nodes.values()):
             problem = f"PS_SERVER_ID={wid} is taken by another server"
+        if problem is None and role in ("server", "worker"):
+            problem = self._shape_disagrees(role, host, msg.extra)
+            if problem:
+                self.fatal = (f"the job cannot run: {problem}", 2)
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, Op.ERROR, message=problem)
@@ -182,6 +200,46 @@ class Scheduler:
             self._start()
         else:
             self._reply(identity, Op.HEARTBEAT, **self._progress())
+
+    def _shape_disagrees(self, role: str, host: object, extra: dict) -> str | None:
+        """Where a node was given another cluster shape than the scheduler, which variable,
+        and each side's value: the job cannot run (a server would wait for workers that
+        never come, or refuse ranks that exist)."""
+        cfg = self.config
+        for field, ours, variable in (
+                ("num_workers", cfg.num_workers, "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE"),
+                ("num_servers", cfg.num_servers, "DMLC_NUM_SERVER")):
+            theirs = extra.get(field)
+            if theirs != ours:
+                return (f"the {role} at {host} has {variable} = {theirs}, the scheduler "
+                        f"{ours}: every role must be given the same values")
+        return None
+
+    def _end_job(self, why: str, status: int) -> int:
+        """End the job at once (roles that disagree, a stall), telling every node why."""
+        log.error("%s; ending the job", why)
+        for node in self.nodes.values():
+            if not node.finished:
+                self._reply(node.identity, Op.NODE_LOST, what=why)
+        self._await_hangups(1.0)
+        return status
+
+    def _stall(self, node: Node, x: dict) -> None:
+        """A server's rounds wait for some workers: said here, and past the abort threshold
+        the job ends naming them."""
+        missing = ", ".join(self._worker_label(r) for r in x.get("missing", []))
+        what = (f"{x.get('rounds', '?')} round(s) on {node.label} (keys {x.get('keys', [])[:4]}) "
+                f"have waited {x.get('seconds', 0):.0f} s for {missing or 'no worker'}, which "
+                f"pushed nothing for them (a hung training loop or data loader, or a call the "
+                f"others never make?)")
+        if x.get("abort"):
+            self.fatal = (f"the job stalled: {what} (PS_STALL_ABORT_S)", 1)
+        else:
+            log.warning("%s (PS_STALL_WARN_S)", what)
+
+    def _worker_label(self, rank: object) -> str:
+        node = next((n for n in self.nodes.values() if n.role == "worker" and n.rank == rank), None)
+        return node.label if node is not None else f"worker {rank}"
 
     def _progress(self) -> dict:
         """How many nodes of each role have registered, and how many the job needs."""
@@ -245,18 +303,29 @@ class Scheduler:
             else:
                 self._reply(node.identity, Op.STANDIN, **out.fields)
 
-    def _finish(self, node: Node) -> bool:
+    def _finish(self, node: Node, failed: str | None = None) -> bool:
+        """A node is done; ``failed``: its process is ending on this error, and the job has
+        failed (every role then exits non-zero, naming it)."""
         node.finished = True
         self._reply(node.identity, Op.SHUTDOWN)
-        log.info("%s finished", node.label)
+        if failed:
+            self.failures.append(f"{node.label} failed: {failed}")
+            log.error("%s failed: %s", node.label, failed)
+        else:
+            log.info("%s finished", node.label)
         if node.role == "worker":
             self._deliver(self.coordinator.finished(node.rank))
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
+            verdict = {"failed": "; ".join(self.failures)} if self.failures else {}
             for n in self.nodes.values():
                 if n.role == "server":
                     n.finished = True
-                    self._reply(n.identity, Op.SHUTDOWN)
-            log.info("all workers finished; shutting down")
+                    self._reply(n.identity, Op.SHUTDOWN, **verdict)
+            if self.failures:
+                log.error("all workers finished, %d of them on an error; shutting down with "
+                          "status 1", len(self.failures))
+            else:
+                log.info("all workers finished; shutting down")
             return True
         return False
 

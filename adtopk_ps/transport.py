@@ -44,11 +44,29 @@ def security(ctx: zmq.Context) -> Security:
 
 
 def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
-                curve: str | None = None) -> zmq.Socket:
+                curve: str | None = None, data: ClusterConfig | None = None) -> zmq.Socket:
     """A socket that never lingers; ``curve`` is "server" for one that binds, "client" for
-    one that connects, None for inproc sockets (which never leave the process)."""
+    one that connects, None for inproc sockets (which never leave the process).
+
+    ``data``: the cluster's config, for a socket of the data path (pushes and answers):
+    - its high-water marks are unlimited. zmq's default of 1,000 messages makes a ROUTER
+      drop answers silently, and a worker pushes one message per key: a tensor cut into
+      thousands of keys would hang. A worker has at most one round of a key in flight
+      (two, briefly, after a join() stand-in), so what waits in the queues is bounded by
+      the model's own size;
+    - zmq pings the peer every heartbeat interval and closes the connection when nothing
+      at all has come back for the heartbeat timeout, so that a link that drops every
+      packet (a broken switch, a firewall) is seen as a closed connection (liveness.py)
+      instead of a silent wait. A slow link that still delivers keeps the connection.
+    """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    if data is not None:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(data.heartbeat_interval * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(data.heartbeat_timeout * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(data.heartbeat_timeout * 1000))
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if curve == "server":
@@ -87,6 +105,7 @@ class SchedulerLink:
         self.book: dict = {}
         self.progress: dict = {}  # who has registered so far, while we wait for the book
         self.shutdown = False
+        self.failed: str | None = None  # with the shutdown: why the job failed, if it did
         self._last_heard = self._last_sent = time.monotonic()
         self._server_id = {"server_id": env_int("PS_SERVER_ID", minimum=0)} \
             if config.role == "server" and os.environ.get("PS_SERVER_ID", "").strip() else {}
@@ -100,7 +119,7 @@ class SchedulerLink:
         cfg = self.config
         wid = -1 if cfg.worker_id is None else cfg.worker_id
         self._send(Op.REGISTER, role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
-                   **self._server_id)
+                   num_workers=cfg.num_workers, num_servers=cfg.num_servers, **self._server_id)
         limit = register_timeout()
         began = time.monotonic()
         notice = began + WAIT_NOTICE_S[0]
@@ -175,6 +194,7 @@ class SchedulerLink:
             raise ClusterError(f"the scheduler refused this node: {msg.extra.get('message')}")
         elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
+            self.failed = msg.extra.get("failed")
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:
@@ -204,9 +224,14 @@ class SchedulerLink:
         ``withdraw``) gives it up."""
         self._send(Op.BLOCKED, round=reqid, waiting=waiting, withdraw=withdraw)
 
-    def finish(self) -> None:
-        """Tell the scheduler this node is done, so its going quiet is not a loss."""
-        self._send(Op.FINISH)
+    def finish(self, failed: str | None = None) -> None:
+        """Tell the scheduler this node is done, so its going quiet is not a loss; ``failed``:
+        its process is ending on this error (the job then fails)."""
+        self._send(Op.FINISH, **({"failed": failed} if failed else {}))
+
+    def report(self, op: Op, fields: dict) -> None:
+        """Tell the scheduler something it should know (a server's stalled rounds)."""
+        self._send(op, **fields)
 
     def close(self) -> None:
         """Close the link to the scheduler."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket,
 from adtopk_ps.wire import Op
 
 from .aggregator import Aggregator, PushRejected
+from .stalls import StallWatch
 
 log = logging.getLogger("adtopk_ps.server")
 
@@ -64,7 +66,7 @@ class Server:
                  ctx: zmq.Context | None = None):
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
-        self.data = make_socket(self.ctx, zmq.ROUTER, curve="server")
+        self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=config)
         self.port = self.data.bind_to_random_port("tcp://*")
         self.link = SchedulerLink(self.ctx, config)
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
@@ -73,6 +75,7 @@ class Server:
         self.finished: set[int] = set()  # workers that said no push of theirs is left to come
         self.dead: dict[int, str] = {}  # key -> why its round can never complete
         self.rejected = 0
+        self.stalls = StallWatch.from_env()
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
@@ -92,6 +95,11 @@ class Server:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
+                self.check_stalls()
+            if self.link.failed:
+                log.error("server %d: the job failed (%s); shutting down", self.link.rank,
+                          self.link.failed)
+                return 1
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
         except ClusterError as exc:
@@ -127,8 +135,10 @@ class Server:
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
+            self.stalls.start(msg.key, time.monotonic())
             self.fail_if_stranded(msg.key)
             return
+        self.stalls.end(msg.key)
         flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
         frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
                                  **({"nonfinite": flagged} if flagged else {}))
@@ -157,8 +167,32 @@ class Server:
         reason = self.dead[key] = (f"worker(s) {missing} finished without pushing round {state.round} "
                                    f"of key {key}; the round cannot complete")
         log.error("%s", reason)
+        self.stalls.end(key)
         for peer in self.waiting.pop(key, []):
             send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason), peer)
+
+
+    def check_stalls(self) -> None:
+        """Rounds that have waited too long for some workers: told to the workers that wait
+        and to the scheduler, which ends the job once they pass the abort threshold."""
+        def missing(key: int) -> list[int]:
+            return sorted(set(range(self.config.num_workers)) - self.aggregator.keys[key].pushed)
+        warn, abort = self.stalls.check(time.monotonic(), missing)
+        for stall, ending in [(s, False) for s in warn] + [(s, True) for s in abort]:
+            fields = {"keys": stall.keys[:64], "rounds": len(stall.keys),
+                      "missing": list(stall.missing), "seconds": round(stall.seconds, 1),
+                      "server": self.link.rank, "abort": ending}
+            log.warning("server %d: %d round(s) (keys %s) have waited %.0f s for worker(s) %s%s",
+                        self.link.rank, len(stall.keys), stall.keys[:4], stall.seconds,
+                        list(stall.missing), "; asking the scheduler to end the job" if ending else "")
+            self.link.report(Op.STALL, fields)
+            if not ending:  # once to every worker that waits in one of these rounds
+                peers = {peer for key in stall.keys for peer in self.waiting.get(key, [])}
+                for peer in peers:
+                    send(self.data, wire.encode(Op.STALL, **fields), peer)
+        for stall in abort:  # told once: the scheduler ends the job
+            for key in stall.keys:
+                self.stalls.end(key)
 
 
 def main() -> int:

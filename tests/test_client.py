@@ -217,3 +217,18 @@ def test_two_rounds_of_one_key_in_flight_are_answered_in_order():
         engine.stop(0)
         engine._wake_in.close(0)
         ctx.term()
+
+
+def test_tens_of_thousands_of_keys_to_one_server_in_one_burst():
+    """Every key is one message; zmq's default high-water mark (1,000) made the server drop
+    answers and the push_pull hang. 20,000 keys of 1 KiB from each of two workers."""
+    with roles(2, 1, BYTEPS_PARTITION_BYTES="1024") as (config, _):
+        workers = start_clients(config, 2)
+        grads = [torch.randn(20000, 256, generator=torch.Generator().manual_seed(w))
+                 for w in range(2)]
+        handles = [c.push_pull(g, "burst", average=False) for c, g in zip(workers, grads)]
+        assert len(workers[0]._layouts[("burst", torch.float32, (20000, 256))].keys) == 20000
+        for handle in handles:
+            assert torch.allclose(handle.wait(60), grads[0] + grads[1])
+        for c in workers:
+            c.shutdown()

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from procs import FAST, selfcheck
+from procs import FAST, bpslaunch, selfcheck
 
 
 def _alive_with(marker: str) -> list[int]:
@@ -107,7 +107,7 @@ def test_server_killed_mid_round_ends_the_job_naming_it():
     assert job.status == 137, job.out[-3000:]
     # by the scheduler's notice or by the worker's own connection, whichever comes first
     job.every_role_reported(("worker 0", "worker 1", "worker 2", "scheduler"),
-                            rf"server \d \(tcp://127\.0\.0\.1:{job.extra}\) lost: its connection",
+                            rf"server \d \(tcp://127\.0\.0\.1:{job.extra}\)(: their| lost: its) connection",
                             BOUND)
     _ended_on_their_own(job)
 
@@ -143,3 +143,27 @@ def test_a_slow_worker_delays_the_others_but_every_aggregate_stays_exact(tmp_pat
     print(f"median round latency by rank: {waits}")
     assert waits[0] > 0.3 and waits[2] > 0.3  # they waited for the straggler
     assert waits[1] < 0.2  # its pushes come last, so its rounds complete at once
+
+
+def test_a_worker_whose_loop_hangs_is_named_then_the_job_ends():
+    """Worker 1's process and heartbeats stay alive but it never pushes (a stuck data loader):
+    after PS_STALL_WARN_S the waiting worker names it and the tensor, the scheduler names it,
+    and after PS_STALL_ABORT_S the job ends on every role, naming it."""
+    program = ("import time, torch, adtopk_ps.torch as bps\n"
+               "bps.init()\n"
+               "if bps.rank() == 0:\n"
+               "    bps.client().push_pull(torch.ones(4, 4), 'stuck.tensor').wait()\n"
+               "else:\n"
+               "    time.sleep(120)\n")
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
+                       sys.executable, "-c", program,
+                       env={"PS_STALL_WARN_S": "2", "PS_STALL_ABORT_S": "5"}, timeout=90)
+    took = time.monotonic() - began
+    out = result.stdout
+    assert result.returncode != 0 and took < 40, (took, out[-3000:])
+    assert re.search(r"\[worker 0\] .*worker 0: 1 round\(s\) on server 0 have waited \d+ s for "
+                     r"worker\(s\) \[1\].*tensors: stuck\.tensor", out), out[-3000:]
+    assert re.search(r"\[scheduler\] .*have waited \d+ s for worker 1 \(127\.0\.0\.1\)", out)
+    for role in ("worker 0", "server 0"):
+        assert re.search(rf"\[{role}\] .*the job stalled: .* for worker 1", out), role

@@ -3,6 +3,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -390,3 +391,85 @@ def test_a_worker_that_exits_0_before_the_others_join_ends_the_job_as_a_failure(
     assert result.returncode == 1, result.stdout[-2000:]
     assert "worker 1 exited 0 without joining the cluster" in result.stdout
     assert time.monotonic() - began < 40
+
+
+@pytest.mark.parametrize("variable, theirs", [("DMLC_NUM_WORKER", "3"), ("DMLC_NUM_SERVER", "2")])
+def test_roles_given_another_cluster_shape_end_the_job_naming_the_variable(variable, theirs):
+    """A server started with another DMLC_NUM_WORKER (or DMLC_NUM_SERVER) than the scheduler:
+    both end within seconds, naming the variable, each side's value and the host."""
+    port = str(free_port())
+    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "DMLC_NODE_HOST": "127.0.0.1"}
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    began = time.monotonic()
+    scheduler = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "scheduler"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "server",
+                                           variable: theirs},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        outs = [p.communicate(timeout=30)[0] for p in (scheduler, server)]
+    finally:
+        for p in (scheduler, server):
+            p.kill()
+            p.wait()
+    assert scheduler.returncode == 2 and server.returncode != 0, outs
+    assert time.monotonic() - began < 20
+    words = f"the server at 127.0.0.1 has {variable}"
+    for out in outs:
+        assert words in out and "the scheduler" in out, out[-2000:]
+
+
+def test_a_scheduler_whose_port_is_taken_says_so_and_exits_2():
+    port = free_port()
+    holder = socket.socket()
+    holder.bind(("", port))
+    holder.listen()
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+        env.update({**FAST, "DMLC_ROLE": "scheduler", "DMLC_NUM_WORKER": "1",
+                    "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                    "DMLC_PS_ROOT_PORT": str(port)})
+        out = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher"], env=env,
+                             capture_output=True, text=True, timeout=30)
+    finally:
+        holder.close()
+    assert out.returncode == 2, out.stdout + out.stderr
+    text = out.stdout + out.stderr
+    assert f"cannot listen on DMLC_PS_ROOT_PORT={port}" in text and "Traceback" not in text
+
+
+def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_too():
+    """On Kubernetes each role is its own Job: one whose worker raised must not show the
+    scheduler and server Jobs as Complete. Every role exits non-zero, naming the error."""
+    port = str(free_port())
+    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
+              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1"}
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    program = ("import os, torch, adtopk_ps.torch as bps\n"
+               "bps.init()\n"
+               "bps.allreduce(torch.ones(2), name='step')\n"
+               "if bps.rank() == 1: raise RuntimeError('the data loader broke')\n")
+    procs = [subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": role},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for role in ("scheduler", "server")]
+    procs += [subprocess.Popen([*launch, sys.executable, "-c", program],
+                               env={**clean, **common, "DMLC_ROLE": "worker",
+                                    "DMLC_WORKER_ID": str(w)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for w in range(2)]
+    try:
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    scheduler, server, worker0, worker1 = (p.returncode for p in procs)
+    assert (worker0, worker1) == (0, 1), outs
+    assert scheduler == 1 and server == 1, outs
+    for out in outs[:2]:
+        assert "RuntimeError: the data loader broke" in out, out[-2000:]

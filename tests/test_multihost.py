@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,44 @@ def test_lossy_links_give_the_clean_run_exactly():
     for worker in ("worker0", "worker1"):
         assert len(_checksums(lossy[worker])) == 30
         assert _checksums(lossy[worker]) == _checksums(clean[worker])
+
+
+@pytest.mark.skipif(LOSS_SKIP is not None, reason=LOSS_SKIP or "")
+def test_a_link_that_drops_every_packet_is_named_within_seconds():
+    """Mid-training, every packet between worker 1 and server 0 is dropped (no reset, no
+    close). Within the heartbeat timeout and a few seconds, the job ends on every role,
+    worker 1 naming the server it cannot reach."""
+    names = ["scheduler", "server0", "worker0", "worker1"]
+    with netns.hosts(names, rate="1gbit", delay="0.2ms") as net:
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))}
+        base.update(FAST, DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT="9000",
+                    DMLC_NUM_SERVER="1", DMLC_NUM_WORKER="2", BYTEPS_LOCAL_SIZE="1")
+        launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+        job = [sys.executable, "-m", "worker", "--config", str(ROOT / "configs" / "digits-cnn.yaml"),
+               "--steps", "100000", "--set", "progress=false"]
+        procs = {}
+        try:
+            for name in names:
+                role = re.sub(r"\d", "", name)
+                env = {**base, "DMLC_ROLE": role}
+                if role == "worker":
+                    env["DMLC_WORKER_ID"] = name[-1]
+                procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
+                                           env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           text=True, cwd=ROOT)
+            first = procs["scheduler"].stdout.readline  # the scheduler says when the job starts
+            while "job started" not in first():
+                assert procs["scheduler"].poll() is None
+            time.sleep(5)  # training is under way
+            netns.cut(net["worker1"][0], net["server0"][1])
+            cut_at = time.monotonic()
+            outputs = {name: p.communicate(timeout=60)[0] for name, p in procs.items()}
+            took = time.monotonic() - cut_at
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    assert all(p.returncode != 0 for p in procs.values()), {n: o[-800:] for n, o in outputs.items()}
+    assert "worker 1 cannot reach server 0" in outputs["worker1"], outputs["worker1"][-2000:]
+    assert took < 20, took

@@ -113,3 +113,11 @@ def drop(ns: str, share: float) -> None:
         subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", chain, "-m", "statistic",
                         "--mode", "random", "--probability", str(share), "-j", "DROP"],
                        check=True, capture_output=True, text=True, timeout=30)
+
+
+def cut(ns: str, peer: str) -> None:
+    """Drop every packet between host ``ns`` and the address ``peer``, both ways, with no
+    reset or close: a broken switch or a firewall, as the two ends see it."""
+    for chain, side in (("OUTPUT", "-d"), ("INPUT", "-s")):
+        subprocess.run(["ip", "netns", "exec", ns, "iptables", "-A", chain, side, peer, "-j",
+                        "DROP"], check=True, capture_output=True, text=True, timeout=30)

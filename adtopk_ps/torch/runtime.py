@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import warnings
 
@@ -56,6 +57,7 @@ class Membership:
             self._client = PSClient(config)
             self._suspended = False
             atexit.register(self.close)
+            _note_uncaught_exceptions()
 
     def leave(self) -> None:
         """Stop using the connection: what is in flight finishes, later calls are refused
@@ -71,13 +73,14 @@ class Membership:
                 pass
 
     def close(self) -> None:
-        """Finish and close the connection (at the process's exit)."""
+        """Finish and close the connection (at the process's exit), saying so if the process
+        ends on an uncaught exception: the job then fails on every role."""
         with self._lock:
             clients = [c for c in (self._client, self._parked) if c is not None]
             self._client = self._parked = None
             self._suspended = False
         for client in clients:
-            client.shutdown()
+            client.shutdown(failed=_uncaught[0] if _uncaught else None)
 
     def client(self, paused_ok: bool = False) -> PSClient:
         """The connection; refused before ``init()`` and, unless ``paused_ok``, while suspended."""
@@ -119,6 +122,21 @@ class Membership:
 
 
 _membership = Membership()
+_uncaught: list[str] = []  # the exception the process is ending on, once there is one
+
+
+def _note_uncaught_exceptions() -> None:
+    """Remember an exception that ends the process (``sys.excepthook`` runs before atexit), so
+    that this worker's finish tells the job it failed."""
+    previous = sys.excepthook
+    if getattr(previous, "adtopk_notes", False):
+        return
+
+    def hook(kind, value, tb):
+        _uncaught.append(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+    hook.adtopk_notes = True
+    sys.excepthook = hook
 
 
 def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:

@@ -26,7 +26,9 @@ from .payloads import payload_buffers, payload_fields
 #: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
 #: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
 #:    third frame naming the rows carried; see payloads.py)
-PROTOCOL = 3
+#: 4: collectives agreed at the scheduler (negotiate, agreed, blocked, standin); register
+#:    carries the cluster's shape
+PROTOCOL = 4
 
 
 class Op(str, Enum):
@@ -40,6 +42,7 @@ class Op(str, Enum):
     AGREED = "agreed"  # scheduler -> worker: request ``round`` agreed (or refused, and why)
     BLOCKED = "blocked"  # worker -> scheduler: it now waits for request ``round`` (or no longer)
     STANDIN = "standin"  # scheduler -> joined worker: push zeros for this agreed sum
+    STALL = "stall"  # server -> waiting workers and scheduler: rounds wait for these workers
     HEARTBEAT = "heartbeat"  # node <-> scheduler: still here (and, before the start, who is)
     FINISH = "finish"  # worker -> scheduler and servers: no push of its is left to come
     SHUTDOWN = "shutdown"  # scheduler -> node: the job is over
