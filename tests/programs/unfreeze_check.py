@@ -40,3 +40,14 @@ for step in range(6):
     print(f"worker {rank}: step {step} replicas equal {'ok' if same else 'FAILED'}", flush=True)
 moved = not torch.equal(backbone.weight.detach(), start)
 print(f"worker {rank}: unfrozen backbone trained {'ok' if moved else 'FAILED'}", flush=True)
+bps.verify_replicas(model, 6)
+print(f"worker {rank}: equal replicas verified ok", flush=True)
+with torch.no_grad():
+    if rank == 1:
+        head.bias.add_(1.0)  # one worker's copy drifts
+try:
+    bps.verify_replicas(model, 7)
+    print(f"worker {rank}: drift found FAILED (not raised)", flush=True)
+except bps.ReplicasDiverged as exc:
+    named = "'2.bias'" in str(exc) and "after step 7" in str(exc)
+    print(f"worker {rank}: drift found {'ok' if named else 'FAILED ' + str(exc)}", flush=True)
