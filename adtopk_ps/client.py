@@ -26,9 +26,11 @@ from . import wire
 from .client_engine import Engine, PushPullError
 from .cluster import ClusterConfig, KeyLayout, name_id
 from .compression import Compressor, Dense
+from .dtypes import FLOAT_DTYPES
 from .env import env_int
 from .transport import ClusterError, security
 
+WIRE_FLOATS = tuple(FLOAT_DTYPES.values())  # the dtypes a push carries
 PRUNE_AT = 1024  # collectives remembered by name before the finished ones are dropped
 _UNNAMED = re.compile(r"^(.*)\.noname\.(\d+)$")
 
@@ -349,6 +351,7 @@ class PSClient:
         return self._declare(name, tensor).id
 
     def _declare(self, name: str, tensor: torch.Tensor) -> KeyLayout:
+        _check_pushable(name, tensor)
         shape = tuple(tensor.shape)
         layout = self._layouts.get((name, tensor.dtype, shape))
         if layout is None:
@@ -362,6 +365,23 @@ class PSClient:
         """``priority``, or by declaration order: the later declared goes first (the backward
         pass produces the last layers' gradients first)."""
         return -self._order[name] if priority is None else priority
+
+
+def _check_pushable(name: str, tensor: object) -> None:
+    """Refuse, naming the tensor, what the wire cannot carry, before it reaches the engine
+    (whose failure would end this worker's part in the job)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name!r}: push_pull takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name!r}: a {tensor.layout} tensor cannot be pushed; pass a dense one "
+                         f"(a sparse gradient, as from nn.Embedding(sparse=True), is not "
+                         f"supported: use sparse=False)")
+    if tensor.is_meta:
+        raise ValueError(f"{name!r}: a tensor on the meta device has no values to push")
+    if tensor.dtype not in WIRE_FLOATS:
+        raise ValueError(f"{name!r}: tensors of dtype {tensor.dtype} cannot be pushed; the wire "
+                         f"carries {[str(d) for d in WIRE_FLOATS]} (the functional collectives "
+                         f"also take integer and bool tensors)")
 
 
 class _Collective:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("adtopk_ps.client")
 FLUSH_MS = 2000  # how long closing waits for queued messages after a clean finish
+KEEP_ALIVE_KEYS = 256  # keys sent between two heartbeat checks while one tensor is sent
 
 
 def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
@@ -124,6 +125,7 @@ class Engine:
         self._wake_out.connect(wake_addr)
         self._ready = threading.Event()
         self._started_at = 0.0  # when the servers' connections were opened
+        self._keep_alive: Callable[[], None] = lambda: None  # the scheduler link's tick, in _serve
         self._thread = threading.Thread(target=self._run, name="adtopk-engine", daemon=True)
 
     def start(self) -> None:
@@ -224,6 +226,7 @@ class Engine:
         for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
+        self._keep_alive = link.tick  # a tensor of thousands of keys takes seconds to send
         finishing = False
         tick_ms = int(self.config.heartbeat_interval * 1000)
         while True:
@@ -306,6 +309,8 @@ class Engine:
         parts = split(job.tensor, layout.blocks)
         outs = split(job.handle.out, layout.blocks)
         for index, (part, out, key) in enumerate(zip(parts, outs, layout.keys)):
+            if index % KEEP_ALIVE_KEYS == KEEP_ALIVE_KEYS - 1:
+                self._keep_alive()  # heartbeats go on while a long tensor is sent
             started = time.perf_counter()
             pname = part_name(job.handle.name, index)
             payload = job.compressor.compress(part, pname, job.step, job.ratio)

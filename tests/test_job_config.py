@@ -64,6 +64,7 @@ def test_every_shipped_config_is_valid(name):
     ("cost_model=1", "cost_model=1: must be true or false"),
     ("dense_transport=grpc", "dense_transport='grpc': must be one of ['allreduce', 'auto', 'ps']"),
     ("eval_every=0", "eval_every=0: must be an integer >= 1"),
+    ("verify_every=-1", "verify_every=-1: must be an integer >= 0"),
     ("checkpoint_every=0", "checkpoint_every=0: must be an integer >= 1"),
     ("seed=-1", "seed=-1: must be an integer >= 0"),
     ("metrics=/nonexistent-dir/m.jsonl", "its folder /nonexistent-dir does not exist"),

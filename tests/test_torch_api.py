@@ -169,3 +169,26 @@ def test_channels_last_gradients_are_averaged_too(session):
     assert 0 < int(kept.sum()) < local.numel()
     with opt.skip_synchronize():
         opt.step()
+
+
+def test_tensors_the_wire_cannot_carry_are_refused_by_name_and_the_worker_goes_on(session):
+    """Sparse, complex and meta tensors, to the functional calls and to the optimizer (its
+    parameters or a sparse gradient), are refused at once naming the tensor; before, some
+    reached the engine, whose failure ended the worker's part in the job."""
+    odd = {"sparse": torch.eye(3).to_sparse(), "complex": torch.ones(3, dtype=torch.complex64),
+           "meta": torch.ones(3, device="meta")}
+    for what, tensor in odd.items():
+        with pytest.raises(ValueError, match=what if what != "sparse" else "sparse_coo"):
+            bps.allreduce(tensor, name=what)
+    for what in ("complex", "meta"):
+        p = torch.nn.Parameter(odd[what].clone())
+        with pytest.raises(ValueError, match=rf"'{what}': "):
+            bps.DistributedOptimizer(torch.optim.SGD([p], lr=0.1), named_parameters=[(what, p)])
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1),
+                                   named_parameters=embedding.named_parameters(), overlap=False)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="'weight': a torch.sparse_coo tensor cannot be pushed"):
+        opt.step()
+    assert torch.equal(bps.allreduce(torch.ones(8, 0), name="empty"), torch.ones(8, 0))
+    assert torch.equal(bps.allreduce(torch.ones(2), name="after"), torch.ones(2))

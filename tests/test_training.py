@@ -162,3 +162,18 @@ def test_a_job_killed_by_a_lost_server_resumes_from_its_last_checkpoint(tmp_path
     assert sorted(got) == list(range(start, 41))
     for step in range(start, 41):
         assert got[step] == want[step], step
+
+
+def test_unfreezing_a_layer_mid_run_keeps_the_replicas_equal():
+    """The backbone is frozen when DistributedOptimizer is built and unfrozen at step 2 (the
+    head frozen at step 4), every worker on its own data: the optimizer picks the change up
+    on every worker, and the replicas stay equal at every step; verify_replicas then passes,
+    and names the parameter once one worker's copy drifts."""
+    program = Path(__file__).resolve().parent / "programs" / "unfreeze_check.py"
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
+                       sys.executable, str(program), timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    for worker in range(2):
+        lines = [line for line in result.stdout.splitlines()
+                 if line.startswith(f"[worker {worker}] worker {worker}: ")]
+        assert len(lines) == 9 and all(line.endswith(" ok") for line in lines), lines

@@ -136,6 +136,8 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
         done += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}", refresh=False)
+        if cfg["verify_every"] and (step + 1) % cfg["verify_every"] == 0:
+            bps.verify_replicas(model, step + 1)  # a drifted replica ends the job, named
         if args.checksums:  # through tqdm, so the line never shares one with the bar
             tqdm.write(f"checksum step {step + 1}: {checkpoint.parameters_digest(model)}", file=sys.stdout)
         last = step + 1 == end

@@ -215,7 +215,8 @@ SCHEMA: dict[str, Check] = {
     "epochs": integer(1), "steps": integer(1, optional=True),
     "compression": compression, "min_compress_bytes": integer(0),
     "budget": boolean, "cost_model": boolean, "dense_transport": choice(DENSE_TRANSPORTS),
-    "eval_every": integer(1), "checkpoint_every": integer(1), "seed": integer(0),
+    "eval_every": integer(1), "checkpoint_every": integer(1), "verify_every": integer(0),
+    "seed": integer(0),
     "metrics": metrics, "progress": boolean,
     "nonfinite": choice(NONFINITE), "device": device,
 }

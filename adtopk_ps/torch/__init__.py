@@ -19,6 +19,7 @@ from .ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, 
                   poll, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace,
                   synchronize)
 from .optimizer import DistributedOptimizer, GradientCompression
+from .replicas import ReplicasDiverged, verify_replicas
 from .runtime import (client, init, is_initialized, local_rank, local_size, rank, resume, shutdown,
                       size, suspend)
 from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -32,4 +33,5 @@ __all__ = [
     "byteps_push_pull", "client", "declare", "init", "is_initialized", "join", "local_rank",
     "local_size", "poll", "push_pull", "push_pull_async", "push_pull_async_inplace",
     "push_pull_inplace", "rank", "resume", "shutdown", "size", "suspend", "synchronize",
+    "ReplicasDiverged", "verify_replicas",
 ]

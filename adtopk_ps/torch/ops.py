@@ -110,6 +110,9 @@ def _wire(tensor: object, what: str, size: int) -> torch.Tensor:
         raise TypeError(f"{what} takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.layout != torch.strided:
         raise ValueError(f"{what}: a {tensor.layout} tensor is not supported; pass a dense one")
+    if tensor.is_meta:
+        raise ValueError(f"{what}: a tensor on the meta device has no values to send; "
+                         f"materialise it first (e.g. to_empty(device=...) and initialise)")
     if tensor.dtype in FLOATS:
         return tensor.detach().contiguous()
     if tensor.dtype == torch.bool or not (tensor.is_floating_point() or tensor.is_complex()):

@@ -166,8 +166,10 @@ class _Distributed:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if overlap not in (True, False, "auto"):
             raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
-        self._named = [(key_prefix + n, p) for n, p in self._names(named_parameters) if p.requires_grad]
+        self._every = [(key_prefix + n, p) for n, p in self._names(named_parameters)]
+        self._named = [(n, p) for n, p in self._every if p.requires_grad]
         self._key_prefix = key_prefix
+        self._settings = (overlap, backward_passes_per_step, summed)
         self._compression = compression if isinstance(compression, GradientCompression) \
             else GradientCompression(compression)
         capacity = fusion_bytes() if fusion is None else fusion
@@ -182,12 +184,40 @@ class _Distributed:
         self._skip = False
         self._ps_steps = 0
         self._capacity, self._group, self._lane_device = capacity, group, lane_device
-        self._lay_out_plans()
         self._hooks: list = []
+        self._start_plans(overlap)
+
+    def _start_plans(self, overlap: bool | str) -> None:
+        """Lay out the plans for the parameters that need gradients now, and start the step
+        trial where ``overlap`` is "auto"."""
+        self._lay_out_plans()
         overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
         modes = [Mode(o, plan) for plan in self._plans for o in overlaps]
         self._trial = Trial(modes, agree=_agree, describe=str) if len(modes) > 1 else None
         self._hook_up(modes[0].overlap)
+
+    def _follow_requires_grad(self) -> None:
+        """Parameters whose ``requires_grad`` changed since the plans were laid out (a
+        fine-tuning schedule unfreezing a backbone): the newly trainable ones' gradients of
+        this step are averaged on their own, then every worker agrees the new set and lays
+        out its plans again, so that no worker steps a gradient the others never saw. (A
+        parameter frozen mid-run keeps pushing zeros until then: its momentum and weight
+        decay still move it, alike on every worker, as in horovod.)"""
+        trainable = [(n, p) for n, p in self._every if p.requires_grad]
+        if [id(p) for _, p in trainable] == [id(p) for _, p in self._named]:
+            return
+        known = {id(p) for _, p in self._named}
+        overlap, passes, summed = self._settings
+        handles = [(p, client().push_pull(p.grad if p.grad is not None else torch.zeros_like(p),
+                                          f"{name}.unfrozen", average=not summed))
+                   for name, p in trainable if id(p) not in known]
+        for p, handle in handles:
+            averaged = handle.wait()
+            p.grad = averaged.to(p.dtype) if p.grad is None else p.grad.copy_(averaged)
+        self._named = trainable
+        self._agree_on_settings(overlap, passes, summed, self._capacity)
+        self._compression.plan(self._named)
+        self._start_plans(overlap if overlap == "auto" else self.overlap)
 
     def _names(self, named_parameters) -> list[tuple[str, torch.Tensor]]:
         """(name, parameter) of every parameter in this optimizer's groups: ``named_parameters``'
@@ -433,6 +463,7 @@ class _Distributed:
         self._passes.clear()
         self._synchronized = True
         self._guard.inspect(waited, self._ps_steps, client().rank, self._members)
+        self._follow_requires_grad()
 
     def _members(self, name: str) -> list[str]:
         """The tensors in the bucket called ``name`` (none for a tensor's own name)."""
