@@ -226,7 +226,11 @@ class Engine:
         for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
-        self._keep_alive = link.tick  # a tensor of thousands of keys takes seconds to send
+        def keep_alive() -> None:  # a tensor of thousands of keys takes seconds to send
+            for frames in drain(link.sock):  # the heartbeats' answers count as hearing
+                self._on_scheduler(link.handle(frames))
+            link.tick()
+        self._keep_alive = keep_alive
         finishing = False
         tick_ms = int(self.config.heartbeat_interval * 1000)
         while True:

@@ -26,16 +26,17 @@ def _digest(tensor: torch.Tensor) -> str:
 
 def verify_replicas(module: torch.nn.Module, step: int | None = None,
                     name: str = "replicas") -> None:
-    """Raise :class:`ReplicasDiverged` on every worker when the workers' parameters or buffers
-    differ, naming the first that does and each worker's digest of it; every worker must call
-    it at the same point (a collective).
+    """Raise :class:`ReplicasDiverged` on every worker when the workers' parameters differ,
+    naming the first that does and each worker's digest of it; every worker must call it at
+    the same point (a collective). Buffers are left out: batch norm's running statistics
+    are each worker's own, as in horovod and DDP without SyncBatchNorm.
 
     Example::
 
         if step % 100 == 0:
             bps.verify_replicas(model, step)
     """
-    mine = [(n, _digest(t)) for n, t in [*module.named_parameters(), *module.named_buffers()]]
+    mine = [(n, _digest(p)) for n, p in module.named_parameters()]
     every = allgather_object(mine, name=name)
     for index, (tensor_name, _) in enumerate(mine):
         held = [theirs[index][1] if index < len(theirs) else "(none)" for theirs in every]
@@ -46,5 +47,5 @@ def verify_replicas(module: torch.nn.Module, step: int | None = None,
                 + ", ".join(f"worker {r} {d}" for r, d in enumerate(held))
                 + "; the models have drifted apart (a parameter stepped on some workers only?)")
     if len({len(theirs) for theirs in every}) > 1:
-        raise ReplicasDiverged(f"the workers hold different numbers of tensors: "
+        raise ReplicasDiverged(f"the workers hold different numbers of parameters: "
                                f"{[len(theirs) for theirs in every]}")
