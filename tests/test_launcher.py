@@ -473,3 +473,28 @@ def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_to
     assert scheduler == 1 and server == 1, outs
     for out in outs[:2]:
         assert "RuntimeError: the data loader broke" in out, out[-2000:]
+
+
+def test_a_node_of_another_job_is_refused_by_a_scheduler_left_on_the_port():
+    """PS_JOB_ID (bpslaunch --local sets one per run; set it yourself per job in role mode):
+    a server of job b that finds job a's scheduler on the port is refused, naming both,
+    instead of quietly joining the other job."""
+    port = str(free_port())
+    common = {**FAST, "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
+              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
+              "DMLC_NODE_HOST": "127.0.0.1"}
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    scheduler = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "scheduler",
+                                              "PS_JOB_ID": "job-a"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        server = subprocess.run(launch, env={**clean, **common, "DMLC_ROLE": "server",
+                                             "PS_JOB_ID": "job-b"},
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        scheduler.kill()
+        scheduler.wait()
+    assert server.returncode != 0
+    assert "this scheduler runs job 'job-a' (PS_JOB_ID); the server at 127.0.0.1 belongs to " \
+           "job 'job-b'" in server.stdout + server.stderr
