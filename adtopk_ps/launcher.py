@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -111,7 +112,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
         "DMLC_NUM_WORKER": str(num_workers), "DMLC_NUM_SERVER": str(num_servers),
         "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
-        "PYTHONUNBUFFERED": "1",
+        "PYTHONUNBUFFERED": "1", "PS_JOB_ID": os.environ.get("PS_JOB_ID") or uuid.uuid4().hex[:12],
     })
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5

@@ -184,6 +184,11 @@ class Scheduler:
         elif role == "server" and wid >= 0 and any(
                 n.role == "server" and n.rank == wid for n in self.nodes.values()):
             problem = f"PS_SERVER_ID={wid} is taken by another server"
+        job, theirs = os.environ.get("PS_JOB_ID", ""), msg.extra.get("job", "")
+        if problem is None and job and theirs and theirs != job:
+            problem = (f"this scheduler runs job {job!r} (PS_JOB_ID); the {role} at {host} "
+                       f"belongs to job {theirs!r}: a scheduler left from another run on this "
+                       f"port?")
         if problem is None and role in ("server", "worker"):
             problem = self._shape_disagrees(role, host, msg.extra)
             if problem:

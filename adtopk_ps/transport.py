@@ -119,7 +119,8 @@ class SchedulerLink:
         cfg = self.config
         wid = -1 if cfg.worker_id is None else cfg.worker_id
         self._send(Op.REGISTER, role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
-                   num_workers=cfg.num_workers, num_servers=cfg.num_servers, **self._server_id)
+                   num_workers=cfg.num_workers, num_servers=cfg.num_servers,
+                   job=os.environ.get("PS_JOB_ID", ""), **self._server_id)
         limit = register_timeout()
         began = time.monotonic()
         notice = began + WAIT_NOTICE_S[0]

@@ -262,3 +262,18 @@ def test_intact_checkpoints_of_two_different_runs_are_refused(tmp_path, runs):
     d, out = _refused(tmp_path, runs, setup=lambda d: shutil.copy(other / "worker1.pt", d))
     assert re.search(rf"they hold different parameters, so they come from different runs: worker 0 "
                      rf"\({d}/worker0.pt\) \w+; worker 1 \({d}/worker1.pt\) \w+", out), out[-3000:]
+
+
+def test_a_save_that_fails_says_which_and_keeps_the_previous_checkpoint(tmp_path):
+    """A full disk or a folder that cannot hold it: CheckpointError (the job's clean error,
+    not a traceback) naming the worker, the step and the file; no .tmp is left behind."""
+    from worker.checkpoint import CheckpointError, checkpoint_path, read, save
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = checkpoint_path(tmp_path, 0)
+    save(path, model, opt, step=1, workers=1, rank=0, job={})
+    full = tmp_path / "worker0.pt.tmp"
+    full.mkdir()  # the temporary file cannot be written where a folder stands
+    with pytest.raises(CheckpointError, match=r"worker 0: saving the step-2 checkpoint to .*worker0\.pt failed"):
+        save(path, model, opt, step=2, workers=1, rank=0, job={})
+    assert read(path)[0]["step"] == 1

@@ -2,6 +2,7 @@
 validates against the real Kubernetes schemas and keeps the DMLC environment contract."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -98,17 +99,13 @@ def test_job_config_map_is_the_config_in_configs():
     assert shipped == yaml.safe_load((ROOT / "configs" / "digits-cnn.yaml").read_text())
 
 
-def test_kubeflow_mxjob_pod_templates_validate():
-    """The operator's CRD schema is not bundled; every replica's pod template is a core PodTemplate."""
-    job = yaml.safe_load((ROOT / "deploy" / "kubeflow" / "mxjob.yaml").read_text())
-    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "MXJob")
-    specs = job["spec"]["mxReplicaSpecs"]
-    assert set(specs) == {"Scheduler", "Server", "Worker"} and specs["Scheduler"]["replicas"] == 1
-    for role, spec in specs.items():
-        assert spec["restartPolicy"] == "Never"
-        template = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": role.lower()},
-                    "template": spec["template"]}
-        kubernetes_validate.validate(template, KUBERNETES, strict=True)
+def test_every_overlay_names_the_image_tag_the_dockerfile_documents():
+    """The tags the Dockerfile's build lines make are the tags the overlays run."""
+    built = set(re.findall(r"-t (adtopk-ps:\S+)", (ROOT / "deploy" / "Dockerfile").read_text()))
+    for path, tag in (("overlays/cpu", "adtopk-ps:0.1.0"), ("overlays/gpu", "adtopk-ps:0.1.0-cuda")):
+        images = {c["image"] for d in render(path) if d["kind"] == "Job"
+                  for c in d["spec"]["template"]["spec"]["containers"]}
+        assert images == {tag} and tag in built, (path, images, built)
 
 
 def test_gpu_overlay_gives_every_role_the_curve_keys():

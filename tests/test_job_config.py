@@ -130,3 +130,17 @@ def test_the_worker_refuses_a_bad_config_before_joining_the_cluster():
     assert result.stderr.strip() == ("worker: config key lr_schedule.warmup_stepz: unknown key; "
                                      "did you mean 'warmup_steps'? valid: ['name', 'warmup_steps']")
     print(f"refused in {time.monotonic() - began:.1f} s")
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--metrics-out"])
+def test_outputs_that_cannot_be_written_are_refused_before_joining(tmp_path, flag):
+    """A checkpoint folder or summary file under a path that is not a folder (a read-only
+    one, for users that are not root) is named at once, exit 2, before the cluster forms:
+    not after the training it would have lost."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = subprocess.run([sys.executable, "-m", "worker", "--config", CONFIG, flag,
+                             str(blocker / "out")], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "DMLC_ROLE": "worker"})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{flag} {blocker / 'out'}: cannot write there" in result.stderr

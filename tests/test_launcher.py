@@ -17,6 +17,16 @@ from procs import FAST, bpslaunch
 
 CONTRACT = ["DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI",
             "DMLC_PS_ROOT_PORT", "DMLC_WORKER_ID", "BYTEPS_LOCAL_SIZE", "BYTEPS_LOCAL_RANK"]
+LAUNCH = [sys.executable, "-m", "adtopk_ps.launcher"]
+
+
+def _by_hand(workers: int, servers: int) -> dict:
+    """The environment of roles started by hand, as on separate machines (no DMLC_ROLE yet),
+    on a free port of this host."""
+    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
+    return {**clean, **FAST, "DMLC_NUM_WORKER": str(workers), "DMLC_NUM_SERVER": str(servers),
+            "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
+            "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1"}
 
 
 def _run(args, **env):
@@ -48,18 +58,14 @@ def test_contract_errors_exit_non_zero_naming_the_problem(env, args, words):
 
 def test_role_mode_runs_a_cluster_started_by_hand():
     """Each role started as a user would on separate machines: bpslaunch with DMLC_* set."""
-    port = str(free_port())
-    common = {**FAST, "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
-              "DMLC_PS_ROOT_PORT": port, "BYTEPS_LOCAL_SIZE": "1"}
-    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
-    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
-    procs = [subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": role},
+    env = _by_hand(workers=1, servers=1)
+    procs = [subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": role},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for role in ("scheduler", "server")]
     try:
         worker = subprocess.run(
-            [*launch, sys.executable, "-m", "worker.selfcheck", "--rounds", "2"],
-            env={**clean, **common, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0"},
+            [*LAUNCH, sys.executable, "-m", "worker.selfcheck", "--rounds", "2"],
+            env={**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0"},
             capture_output=True, text=True, timeout=90)
         assert worker.returncode == 0, worker.stdout + worker.stderr
         assert "[worker] worker 0: selfcheck passed" in worker.stdout
@@ -397,17 +403,11 @@ def test_a_worker_that_exits_0_before_the_others_join_ends_the_job_as_a_failure(
 def test_roles_given_another_cluster_shape_end_the_job_naming_the_variable(variable, theirs):
     """A server started with another DMLC_NUM_WORKER (or DMLC_NUM_SERVER) than the scheduler:
     both end within seconds, naming the variable, each side's value and the host."""
-    port = str(free_port())
-    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
-              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
-              "DMLC_NODE_HOST": "127.0.0.1"}
-    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
-    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    env = _by_hand(workers=2, servers=1)
     began = time.monotonic()
-    scheduler = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "scheduler"},
+    scheduler = subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": "scheduler"},
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    server = subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": "server",
-                                           variable: theirs},
+    server = subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": "server", variable: theirs},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         outs = [p.communicate(timeout=30)[0] for p in (scheduler, server)]
@@ -444,22 +444,16 @@ def test_a_scheduler_whose_port_is_taken_says_so_and_exits_2():
 def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_too():
     """On Kubernetes each role is its own Job: one whose worker raised must not show the
     scheduler and server Jobs as Complete. Every role exits non-zero, naming the error."""
-    port = str(free_port())
-    common = {**FAST, "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
-              "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": port,
-              "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1"}
-    clean = {k: v for k, v in os.environ.items() if k not in CONTRACT}
-    launch = [sys.executable, "-m", "adtopk_ps.launcher"]
+    env = _by_hand(workers=2, servers=1)
     program = ("import os, torch, adtopk_ps.torch as bps\n"
                "bps.init()\n"
                "bps.allreduce(torch.ones(2), name='step')\n"
                "if bps.rank() == 1: raise RuntimeError('the data loader broke')\n")
-    procs = [subprocess.Popen(launch, env={**clean, **common, "DMLC_ROLE": role},
+    procs = [subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": role},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for role in ("scheduler", "server")]
-    procs += [subprocess.Popen([*launch, sys.executable, "-c", program],
-                               env={**clean, **common, "DMLC_ROLE": "worker",
-                                    "DMLC_WORKER_ID": str(w)},
+    procs += [subprocess.Popen([*LAUNCH, sys.executable, "-c", program],
+                               env={**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(w)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for w in range(2)]
     try:
@@ -473,3 +467,21 @@ def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_to
     assert scheduler == 1 and server == 1, outs
     for out in outs[:2]:
         assert "RuntimeError: the data loader broke" in out, out[-2000:]
+
+
+def test_a_node_of_another_job_is_refused_by_a_scheduler_left_on_the_port():
+    """PS_JOB_ID (bpslaunch --local sets one per run; set it yourself per job in role mode):
+    a server of job b that finds job a's scheduler on the port is refused, naming both,
+    instead of quietly joining the other job."""
+    env = _by_hand(workers=1, servers=1)
+    scheduler = subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": "scheduler", "PS_JOB_ID": "job-a"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        server = subprocess.run(LAUNCH, env={**env, "DMLC_ROLE": "server", "PS_JOB_ID": "job-b"},
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        scheduler.kill()
+        scheduler.wait()
+    assert server.returncode != 0
+    assert "this scheduler runs job 'job-a' (PS_JOB_ID); the server at 127.0.0.1 belongs to " \
+           "job 'job-b'" in server.stdout + server.stderr

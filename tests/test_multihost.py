@@ -16,6 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 SKIP = netns.unavailable()
 
 
+def _start(net: dict, names: list[str], base: dict, launch: list[str], job: list[str],
+           procs: dict) -> None:
+    """Every role of ``names`` on its own host, into ``procs`` as it starts (the caller's
+    ``finally`` stops whatever started)."""
+    for name in names:
+        role = re.sub(r"\d", "", name)
+        env = {**base, "DMLC_ROLE": role}
+        if role == "worker":
+            env["DMLC_WORKER_ID"] = name[-1]
+        procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
+                                   env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, cwd=ROOT)
+
+
 def _train_on_hosts(loss: float = 0.0) -> tuple[dict, dict]:
     """30 training steps with every role on its own host; ``loss``: the share of packets
     each worker's link drops both ways. Returns the hosts and every role's output."""
@@ -36,14 +50,7 @@ def _train_on_hosts(loss: float = 0.0) -> tuple[dict, dict]:
                "--steps", "30", "--checksums", "--set", "progress=false"]
         procs = {}
         try:
-            for name in names:
-                role = re.sub(r"\d", "", name)
-                env = {**base, "DMLC_ROLE": role}
-                if role == "worker":
-                    env["DMLC_WORKER_ID"] = name[-1]
-                procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
-                                           env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, cwd=ROOT)
+            _start(net, names, base, launch, job, procs)
             outputs = {name: p.communicate(timeout=240)[0] for name, p in procs.items()}
         finally:
             for p in procs.values():
@@ -99,14 +106,7 @@ def test_a_link_that_drops_every_packet_is_named_within_seconds():
                "--steps", "100000", "--set", "progress=false"]
         procs = {}
         try:
-            for name in names:
-                role = re.sub(r"\d", "", name)
-                env = {**base, "DMLC_ROLE": role}
-                if role == "worker":
-                    env["DMLC_WORKER_ID"] = name[-1]
-                procs[name] = netns.run_in(net[name][0], launch + (job if role == "worker" else []),
-                                           env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                           text=True, cwd=ROOT)
+            _start(net, names, base, launch, job, procs)
             first = procs["scheduler"].stdout.readline  # the scheduler says when the job starts
             while "job started" not in first():
                 assert procs["scheduler"].poll() is None

@@ -112,15 +112,21 @@ def save(path: Path, model: nn.Module, opt: torch.optim.Optimizer, *, step: int,
     torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict()}), buffer)
     header = header_for({"job": job, "rank": rank, "step": step, "workers": workers},
                         buffer.getbuffer())
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(buffer.getbuffer())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_directory(path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(buffer.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_directory(path.parent)
+    except OSError as exc:  # a full disk, say: the previous checkpoint stays as it was
+        if tmp.is_file():
+            tmp.unlink()
+        raise CheckpointError(f"worker {rank}: saving the step-{step} checkpoint to {path} "
+                              f"failed ({exc.strerror or exc}); the previous one is kept") from None
 
 
 def read(path: Path) -> tuple[dict, dict]:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
+from adtopk_ps.client import CollectiveError
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.env import EnvError
 from adtopk_ps.stop import stop_quietly_on_signals
@@ -27,7 +28,7 @@ from . import config as job_config
 from . import device as job_device
 from .data import Dataset, DatasetUnavailable, load
 from .models import build
-from .validate import OPTIMIZERS
+from .validate import OPTIMIZERS, writable_outputs
 
 
 
@@ -223,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = job_config.load(args)  # validated in full before this worker joins the cluster
         device = job_device.resolve(cfg["device"])  # likewise: no GPU for device: cuda
         dataset = load(cfg["dataset"], cfg["seed"], cfg["dataset_args"])  # and a damaged dataset
+        writable_outputs(args.checkpoint_dir, args.metrics_out, cfg["metrics"])  # and its outputs
     except ValueError as exc:  # (EnvError too: a malformed BYTEPS_LOCAL_RANK)
         print(f"worker: {exc}", file=sys.stderr)
         return 2
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"worker: {exc}", file=sys.stderr, flush=True)
             return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
-                                bps.NonFiniteGradient)):
+                                bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import tempfile
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -229,3 +231,26 @@ def validate(cfg: Mapping) -> None:
         if key not in cfg:
             raise ConfigError(f"config key {key} is missing")
         check(key, cfg[key], cfg)
+
+
+def writable_outputs(checkpoint_dir: str | None, metrics_out: str | None,
+                     metrics: str | None) -> None:
+    """Where the job will write, checked before it joins the cluster: a folder it cannot
+    write to, found only when the first checkpoint or the summary is due, costs the run."""
+    if checkpoint_dir:
+        folder = Path(checkpoint_dir)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: cannot write there "
+                              f"({exc.strerror or exc})") from None
+    for what, file in (("--metrics-out", metrics_out), ("config key metrics", metrics)):
+        if not file:
+            continue
+        folder = Path(file).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or \
+                (Path(file).exists() and not os.access(file, os.W_OK)):
+            raise ConfigError(f"{what} {file}: cannot write there (its folder {folder} is "
+                              f"missing or not writable)")
