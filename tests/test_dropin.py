@@ -95,6 +95,9 @@ def test_horovod_suite_shim_is_adtopk_ps_torch_under_horovods_name(tmp_path):
     probe = ("import horovod.torch as hvd, adtopk_ps.torch as ours, inspect, common_probe;"
              "assert hvd.allreduce is ours.allreduce and hvd.join is ours.join;"
              "assert hasattr(inspect, 'getargspec');"
+             "import torch.optim as o;"
+             "assert o.SGD in o.Optimizer.__subclasses__();"
+             "assert 'Muon' not in [c.__name__ for c in o.Optimizer.__subclasses__()];"
              "from horovod.runner.util.threads import in_thread; import mock;"
              "print('shim ok')")
     (tmp_path / "common_probe.py").write_text("")

@@ -50,13 +50,13 @@ SHIM = {
     "horovod/__init__.py": '''"""adtopk_ps.torch under horovod's name, for horovod's own tests."""
 import inspect
 
-import torch.optim
+import torch.optim as optim  # (not "torch": the subpackage horovod.torch takes that name here)
 
 if not hasattr(inspect, "getargspec"):  # Python 3.11 removed it; the tests call it
     inspect.getargspec = inspect.getfullargspec
-if hasattr(torch.optim, "Muon"):  # newer than the tests, which build every optimizer
-    torch.optim.Optimizer.__subclasses__ = staticmethod(
-        lambda: [c for c in type.__subclasses__(torch.optim.Optimizer) if c.__name__ != "Muon"])
+if hasattr(optim, "Muon"):  # newer than the tests, which build every optimizer
+    optim.Optimizer.__subclasses__ = staticmethod(
+        lambda: [c for c in type.__subclasses__(optim.Optimizer) if c.__name__ != "Muon"])
 ''',
     "horovod/torch/__init__.py": "from adtopk_ps.torch import *  # noqa: F401,F403\n",
     "horovod/runner/__init__.py": "",
