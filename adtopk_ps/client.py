@@ -272,7 +272,8 @@ class PSClient:
         handle = self._collectives[name] = Handle(self, name, None, 0, False)
         fields = {"name": name, "match": match, "own": own, "failed": failed,
                   "standin": standin, "release": release}
-        handle.reqid = self._engine.negotiate(fields, _Collective(handle, start))
+        handle.reqid = reqid = self._engine.new_request()  # set before the answer can clear it
+        self._engine.negotiate(reqid, fields, _Collective(handle, start))
         return handle
 
     def push_agreed(self, handle: Handle, key_name: str, tensor: torch.Tensor,

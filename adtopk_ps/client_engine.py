@@ -147,16 +147,18 @@ class Engine:
         if wake:
             self._poke()
 
-    def negotiate(self, fields: dict, call: "Negotiation") -> int:
+    def new_request(self) -> int:
+        """A request id for :meth:`negotiate`, to be known before the answer can come."""
+        return next(self._reqids)
+
+    def negotiate(self, reqid: int, fields: dict, call: "Negotiation") -> None:
         """Ask the scheduler to agree a collective (coordinator.py); ``call.answered`` gets its
         answer, on the engine thread. The request goes out behind every push queued before
-        it. Returns the request id."""
+        it."""
         with self.lock:
-            reqid = next(self._reqids)
             self._agreements[reqid] = call
             self._commands.append((Op.NEGOTIATE, reqid, fields))
         self._poke()
-        return reqid
 
     def blocked(self, reqid: int, waiting: bool, withdraw: bool = False) -> None:
         """Tell the scheduler that the caller now waits for request ``reqid``, no longer does,
@@ -226,10 +228,12 @@ class Engine:
         for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
             poller.register(sock, zmq.POLLIN)
         which = {sock: i for i, sock in enumerate(servers)}
+
         def keep_alive() -> None:  # a tensor of thousands of keys takes seconds to send
             for frames in drain(link.sock):  # the heartbeats' answers count as hearing
                 self._on_scheduler(link.handle(frames))
             link.tick()
+
         self._keep_alive = keep_alive
         finishing = False
         tick_ms = int(self.config.heartbeat_interval * 1000)
@@ -260,7 +264,6 @@ class Engine:
                         send(sock, marker)
                     link.finish(fields["failed"])
                     finishing = True
-            self._launch(servers)  # what an agreement or a stand-in queued
             if finishing and link.shutdown:
                 return
             link.tick()

@@ -12,7 +12,6 @@ listens) are the scheduler's, in scheduler.py; a node's side of that exchange
 from __future__ import annotations
 
 import hashlib
-
 import logging
 import math
 import os

@@ -76,6 +76,7 @@ class Server:
         self.dead: dict[int, str] = {}  # key -> why its round can never complete
         self.rejected = 0
         self.stalls = StallWatch.from_env()
+        self._stalls_checked = 0.0  # when check_stalls last looked (once a heartbeat interval)
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
@@ -175,9 +176,14 @@ class Server:
     def check_stalls(self) -> None:
         """Rounds that have waited too long for some workers: told to the workers that wait
         and to the scheduler, which ends the job once they pass the abort threshold."""
+        now = time.monotonic()
+        if now - self._stalls_checked < self.config.heartbeat_interval:
+            return  # the loop turns once per batch of pushes: no scan of every round each time
+        self._stalls_checked = now
+
         def missing(key: int) -> list[int]:
             return sorted(set(range(self.config.num_workers)) - self.aggregator.keys[key].pushed)
-        warn, abort = self.stalls.check(time.monotonic(), missing)
+        warn, abort = self.stalls.check(now, missing)
         for stall, ending in [(s, False) for s in warn] + [(s, True) for s in abort]:
             fields = {"keys": stall.keys[:64], "rounds": len(stall.keys),
                       "missing": list(stall.missing), "seconds": round(stall.seconds, 1),

@@ -94,8 +94,8 @@ class ADTopkHookState:
         if name is not None:
             return name
         digest = _digest(p)
-        bound = set(self._params)
-        name = next((n for n, d in self._saved.items() if d == digest and n not in bound), None)
+        name = next((n for n, d in self._saved.items() if d == digest and n not in self._params),
+                    None)
         if name is None:
             raise ValueError(f"a parameter of shape {tuple(p.shape)} has values that no "
                              f"parameter had when this ADTopkHookState was saved: load the "

@@ -36,10 +36,10 @@ import torch
 
 from ..client import Agreement, CollectiveError, Handle, PSClient
 from ..compression import Compressor, SparsificationPolicy
-from ..dtypes import FLOAT_DTYPES
-from .compression import Compression, compressor_of, is_cast
 from ..coordinator import JOIN
+from ..dtypes import FLOAT_DTYPES
 from .agreement import compressor_label
+from .compression import Compression, compressor_of, is_cast
 from .runtime import client
 
 FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
@@ -82,7 +82,7 @@ def averages(op: object = None, average: bool | None = None) -> bool:
 @dataclass
 class _Op:
     handle: Handle
-    finish: Callable[[torch.Tensor, Handle], torch.Tensor]
+    finish: Callable[[torch.Tensor], torch.Tensor]
 
 
 class _Table:
@@ -193,7 +193,7 @@ def occupy(name: str, handle: Handle) -> None:
 
 
 def _register(c: PSClient, name: str, handle: Handle,
-              finish: Callable[[torch.Tensor, Handle], torch.Tensor]) -> int:
+              finish: Callable[[torch.Tensor], torch.Tensor]) -> int:
     occupy(name, handle)
     table = _table(c)
     ident = next(table.ids)
@@ -246,7 +246,7 @@ def _submit(tensor: torch.Tensor, *, what: str, kind: str, average: bool | None 
     handle = c.collective(name, match, start, own=[key, dtype_name(send.dtype), list(send.shape)],
                           standin=root is None)
 
-    def finish(result: torch.Tensor, handle: Handle) -> torch.Tensor:
+    def finish(result: torch.Tensor) -> torch.Tensor:
         if integral:
             result = (result * post if post != 1.0 else result).to(tensor.dtype)
             if average:
@@ -275,7 +275,7 @@ def synchronize(handle: int) -> torch.Tensor:
         averaged = bps.synchronize(h)
     """
     op = _op(handle, pop=True)
-    return op.finish(op.handle.wait(), op.handle)
+    return op.finish(op.handle.wait())
 
 
 def _op(handle: int, pop: bool) -> _Op:
@@ -471,9 +471,11 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) ->
     return synchronize(broadcast_async_(tensor, root_rank, name))
 
 
-def _allgather_start(tensor: torch.Tensor, name: str | None) -> int:
-    """Start an allgather: the workers agree the dtype and every dimension but the first, and
-    learn each other's first dimension; each pushes a table with its own rows filled."""
+def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
+    """Start concatenating every worker's ``tensor`` along dimension 0 (first dimensions may
+    differ between workers, the others must not). The workers agree the dtype and every
+    dimension but the first, and learn each other's first dimension; each pushes a table
+    with its own rows filled."""
     c = client()
     name = collective_name("allgather", name)
     claim(name)
@@ -485,39 +487,31 @@ def _allgather_start(tensor: torch.Tensor, name: str | None) -> int:
     match = {"kind": "allgather", "dtype": dtype_name(t.dtype), "shape[1:]": list(t.shape[1:])}
 
     def start(agreement: Agreement, handle: Handle) -> None:
-        counts = [int(agreement.own[r]) for r in range(c.size)]
-        offset = sum(counts[:c.rank])
-        table = torch.zeros((sum(counts), *t.shape[1:]), dtype=wire.dtype, device=wire.device)
+        offset, total = _rows(agreement, c.rank)[0], sum(int(n) for n in agreement.own.values())
+        table = torch.zeros((total, *t.shape[1:]), dtype=wire.dtype, device=wire.device)
         table[offset:offset + t.shape[0]] = wire
         c.push_agreed(handle, key_name(name, table.dtype, tuple(table.shape)), table)
 
-    def finish(result: torch.Tensor, handle: Handle) -> torch.Tensor:
+    def finish(result: torch.Tensor) -> torch.Tensor:
         return result.to(t.dtype)
 
     handle = c.collective(name, match, start, own=int(t.shape[0]))
     return _register(c, name, handle, finish)
 
 
-def _rows(handle: Handle) -> tuple[int, int]:
-    """An agreed allgather's first row and row count on this worker."""
-    counts = [int(handle.agreement.own[r]) for r in range(len(handle.agreement.own))]
-    rank = client(paused_ok=True).rank
+def _rows(agreement: Agreement, rank: int) -> tuple[int, int]:
+    """Worker ``rank``'s first row and row count in an agreed allgather."""
+    counts = [int(agreement.own[r]) for r in range(len(agreement.own))]
     return sum(counts[:rank]), counts[rank]
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None) -> int:
-    """Start concatenating every worker's ``tensor`` along dimension 0 (first dimensions may
-    differ between workers, the others must not)."""
-    return _allgather_start(tensor, name)
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, name: str | None) -> torch.Tensor:
-        ident = _allgather_start(tensor, name)
+        ident = allgather_async(tensor, name)
         handle = _op(ident, pop=False).handle
         result = synchronize(ident)
-        ctx.offset, ctx.rows = _rows(handle)
+        ctx.offset, ctx.rows = _rows(handle.agreement, client(paused_ok=True).rank)
         ctx.name = handle.name
         return result
 

@@ -215,8 +215,7 @@ class _Distributed:
             averaged = handle.wait()
             p.grad = averaged.to(p.dtype) if p.grad is None else p.grad.copy_(averaged)
         self._named = trainable
-        self._agree_on_settings(overlap, passes, summed, self._capacity)
-        self._compression.plan(self._named)
+        self._agree_on_settings(overlap, passes, summed, self._capacity)  # plans the new set too
         self._start_plans(overlap if overlap == "auto" else self.overlap)
 
     def _names(self, named_parameters) -> list[tuple[str, torch.Tensor]]:

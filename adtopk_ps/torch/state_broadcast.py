@@ -66,7 +66,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 
         bps.broadcast_optimizer_state(optimizer, root_rank=0)
     """
-    if not optimizer.state_dict()["state"]:
+    if not optimizer.state:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad and p.grad is None:
