@@ -235,7 +235,7 @@ class _Supervision:
         if not ended or self.failures or self.term_at is not None or formed():
             return
         if len(ended) == len(workers):
-            print(f"[bpslaunch] every worker exited 0 without joining the cluster (none called "
+            print("[bpslaunch] every worker exited 0 without joining the cluster (none called "
                   f"init()); stopping the scheduler and the servers", file=sys.stderr, flush=True)
             self.term_at = now
             return

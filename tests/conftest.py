@@ -1,3 +1,5 @@
+import subprocess
+
 import pytest
 import torch
 from hypothesis import settings
@@ -24,3 +26,20 @@ def session():
         bps.init(config=config)
         yield
         close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of its own, resized with ``resize(bytes)``; skipped where mounting is not allowed."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(folder)],
+                      capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+
+    def resize(size):
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(folder)], check=True)
+    try:
+        yield folder, resize
+    finally:
+        subprocess.run(["umount", "-l", str(folder)])

@@ -1,5 +1,7 @@
-"""Checkpoints: every damaged, missing, foreign or too-late file is refused on every worker,
-before the first step, naming the file and the worker; a clean resume is bit-identical."""
+"""Checkpoints: generations committed across the workers; a resume from the newest step every
+worker holds intact, bit-identical to a run never stopped; every file that cannot resume the
+job refused on every worker before the first step, naming the file and the worker; a full
+disk costs only the steps since the last commit."""
 import io
 import re
 import shutil
@@ -7,11 +9,13 @@ import zipfile
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 from torch import nn
 
 from procs import checksums, train_job
 from worker import checkpoint
-from worker.checkpoint import CheckpointError, Damaged, Finding
+from worker.checkpoint import CheckpointError, Finding, generation_path
+from worker.checkpoint_file import Damaged, header_for, read, write
 
 JOB = {"model": "cnn", "optimizer": "sgd"}
 
@@ -22,18 +26,18 @@ def _small(tmp_path, step=3, **meta):
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    path = tmp_path / "worker0.pt"
-    checkpoint.save(path, model, opt, **{"step": step, "workers": 2, "rank": 0, "job": JOB, **meta})
+    path = generation_path(tmp_path, 0, step)
+    write(path, model, opt, {"step": step, "workers": 2, "rank": 0, "job": JOB, **meta})
     return model, path, path.read_bytes()
 
 
 def test_a_checkpoint_reads_back_what_was_saved_and_leaves_no_temporary_file(tmp_path):
     model, path, _ = _small(tmp_path)
-    meta, state = checkpoint.read(path)
+    meta, state = read(path)
     assert (meta["step"], meta["workers"], meta["rank"], meta["job"]) == (3, 2, 0, JOB)
     assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
     assert state["optimizer"]["state"][0]["momentum_buffer"].abs().sum() > 0
-    assert [p.name for p in tmp_path.iterdir()] == ["worker0.pt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["worker0-step00000003.pt"]
 
 
 def test_every_flipped_byte_and_every_truncation_is_found_before_torch_reads_it(tmp_path):
@@ -42,23 +46,23 @@ def test_every_flipped_byte_and_every_truncation_is_found_before_torch_reads_it(
     for i in range(len(blob)):
         path.write_bytes(blob[:i] + bytes([blob[i] ^ 0xFF]) + blob[i + 1:])
         with pytest.raises(Damaged) as err:
-            checkpoint.read(path)
+            read(path)
         reasons.add(str(err.value).split(":")[0].split(" (")[0])
     assert reasons <= {"checksum mismatch", "not an adtopk-ps checkpoint", "truncated"}, reasons
     for n in range(len(blob)):
         path.write_bytes(blob[:n])
         with pytest.raises(Damaged, match="empty file" if n == 0 else "truncated|checksum mismatch"):
-            checkpoint.read(path)
+            read(path)
     path.write_bytes(blob[:len(blob) // 2])
     with pytest.raises(Damaged, match=r"truncated: \d+ of \d+ payload bytes"):
-        checkpoint.read(path)
+        read(path)
 
 
 def test_a_file_of_the_old_format_is_not_taken_for_a_checkpoint(tmp_path):
     path = tmp_path / "worker0.pt"
     torch.save({"model": {}, "optimizer": {}, "step": 3}, path)
     with pytest.raises(Damaged, match="not an adtopk-ps checkpoint"):
-        checkpoint.read(path)
+        read(path)
 
 
 def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(tmp_path):
@@ -78,11 +82,11 @@ def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(tmp_path):
             zout.writestr(info, data)
     payload = relocated.getvalue()
     meta = {"job": JOB, "rank": 0, "step": 3, "workers": 2}
-    path.write_bytes(checkpoint.header_for(meta, payload) + payload)
+    path.write_bytes(header_for(meta, payload) + payload)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(io.BytesIO(payload), weights_only=True)
-    _, state = checkpoint.read(path)
+    _, state = read(path)
     assert {t.device.type for t in state["model"].values()} == {"cpu"}
     fresh = nn.Linear(3, 2)
     fresh.load_state_dict(state["model"])
@@ -110,9 +114,9 @@ def test_the_wrapped_optimizers_residuals_come_back_on_the_models_device(tmp_pat
 
     model, opt = job(device)
     step(model, opt, 1)
-    path = tmp_path / "worker0.pt"
-    checkpoint.save(path, model, opt, step=1, workers=1, rank=0, job=JOB)
-    _, state = checkpoint.read(path)
+    path = generation_path(tmp_path, 0, 1)
+    write(path, model, opt, {"step": 1, "workers": 1, "rank": 0, "job": JOB})
+    _, state = read(path)
     residuals = state["optimizer"]["adtopk_ps"]["compression"]["residuals"]
     assert residuals["0.weight#0"].device.type == "cpu" and residuals["0.weight#0"].abs().sum() > 0
     restored, restored_opt = job("cpu")
@@ -125,18 +129,78 @@ def test_the_wrapped_optimizers_residuals_come_back_on_the_models_device(tmp_pat
     assert all(torch.equal(a.cpu(), b) for a, b in zip(model.parameters(), restored.parameters()))
 
 
-def test_the_decision_is_resume_all_fresh_all_or_refuse():
-    def found(rank, state, step=None, reason=""):
-        return Finding(rank, f"/ckpt/worker{rank}.pt", state, reason, step)
-    assert checkpoint.decide([found(0, "valid", 20), found(1, "valid", 20)]) == 20
-    assert checkpoint.decide([found(0, "absent"), found(1, "off")]) is None
-    with pytest.raises(CheckpointError, match=r"worker 0 \(/ckpt/worker0.pt\) would resume at step "
-                                              r"20, worker 1 \(/ckpt/worker1.pt\) would start fresh"):
-        checkpoint.decide([found(0, "valid", 20), found(1, "absent")])
-    with pytest.raises(CheckpointError, match="worker 0 at step 20 .*, worker 1 at step 25"):
-        checkpoint.decide([found(0, "valid", 20), found(1, "valid", 25)])
-    with pytest.raises(CheckpointError, match="worker 1: /ckpt/worker1.pt is damaged: empty file"):
-        checkpoint.decide([found(0, "valid", 20), found(1, "damaged", reason="empty file")])
+def _found(rank, *steps, faults=(), committed=None, folder="/ckpt"):
+    return Finding(rank, folder, {s: f"{folder}/worker{rank}-step{s:08d}.pt" for s in steps},
+                   tuple(faults), committed)
+
+
+def test_the_newest_step_every_worker_holds_is_resumed_and_what_was_passed_over_is_said():
+    assert checkpoint.decide([_found(0, 10, 20), _found(1, 10, 20)], 100) == (20, [])
+    step, notes = checkpoint.decide([_found(0, 10, 20, committed=10), _found(1, 10, committed=10)], 100)
+    assert step == 10 and notes == ["worker 0's step 20 (/ckpt/worker0-step00000020.pt) is not held "
+                                    "by every worker: removed"]
+    damaged = ("/ckpt/worker1-step00000020.pt", "damaged", "checksum mismatch")
+    step, notes = checkpoint.decide([_found(0, 10, 20, committed=20),
+                                     _found(1, 10, faults=[damaged], committed=20)], 100)
+    assert step == 10 and notes[1:] == ["worker 1's /ckpt/worker1-step00000020.pt is damaged "
+                                        "(checksum mismatch)",
+                                        "step 20 was committed, but not every worker still holds it intact"]
+    assert checkpoint.decide([_found(0), Finding(1, "", {})], 100) == (None, [])
+
+
+def test_what_cannot_resume_one_job_is_refused_naming_each_worker_and_file():
+    def refused(findings, total=100):
+        with pytest.raises(CheckpointError) as err:
+            checkpoint.decide(findings, total)
+        assert str(err.value).startswith("checkpoints refused on every worker, none trains:")
+        return str(err.value)
+    assert ("no step is held intact by every worker: worker 0 holds step(s) 20 (/ckpt); worker 1 "
+            "holds none (/ckpt)") in refused([_found(0, 20), _found(1)])
+    assert "worker 0 holds step(s) 20 (/ckpt); worker 1 has no --checkpoint-dir" in \
+        refused([_found(0, 20), Finding(1, "", {})])
+    assert "worker 0 holds step(s) 10, 20 (/ckpt); worker 1 holds step(s) 25" in \
+        refused([_found(0, 10, 20), _found(1, 25)])
+    empty = ("/ckpt/worker1-step00000020.pt", "damaged", "empty file (0 bytes)")
+    assert "worker 1: /ckpt/worker1-step00000020.pt is damaged: empty file (0 bytes)" in \
+        refused([_found(0, 20), _found(1, faults=[empty])])
+    foreign = ("/ckpt/worker1-step00000005.pt", "foreign", "saved by another job: model='mlp' ...")
+    assert "worker 1: /ckpt/worker1-step00000005.pt is foreign" in \
+        refused([_found(0, 20), _found(1, 20, faults=[foreign])])  # even with a step in common
+    out = refused([_found(0, 20), _found(1, 20)], total=20)
+    assert "worker 1: /ckpt/worker1-step00000020.pt is too late: at step 20, at or beyond the job's 20" in out
+
+
+@given(st.lists(st.frozensets(st.integers(1, 12), max_size=5), min_size=1, max_size=4),
+       st.integers(1, 14))
+def test_the_decision_is_the_newest_common_step_whatever_each_worker_holds(holdings, total):
+    findings = [_found(rank, *steps) for rank, steps in enumerate(holdings)]
+    common = frozenset.intersection(*holdings)
+    try:
+        step, notes = checkpoint.decide(findings, total)
+    except CheckpointError as exc:
+        assert (not common and any(holdings)) or (common and max(common) >= total), exc
+        return
+    assert step == (max(common) if common else None) and (step is None or step < total)
+    assert len(notes) == sum(1 for steps in holdings for s in steps if step is not None and s > step)
+    assert checkpoint.decide(findings[::-1], total)[0] == step  # the order gathered does not matter
+
+
+def test_a_commit_keeps_the_newest_generations_and_a_failed_one_keeps_them_all(tmp_path, session):
+    """One worker (the session's cluster): each commit records itself and keeps ``keep``
+    generations; a write that fails names the worker, the file and the step a rerun resumes from."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in (1, 2, 3):
+        checkpoint.commit(tmp_path, model, opt, step=step, job=JOB, keep=2)
+    assert sorted(checkpoint.generations(tmp_path, 0)) == [2, 3]
+    assert checkpoint.survey(str(tmp_path), 0, 1, JOB).committed == 3
+    generation_path(tmp_path, 0, 4).with_suffix(".pt.tmp").mkdir()  # the file cannot be written
+    with pytest.raises(CheckpointError, match=rf"the step-4 checkpoint is not committed: worker 0: "
+                                              rf"saving to {tmp_path}/worker0-step00000004.pt failed "
+                                              rf"\(Is a directory\); the job stops, and a rerun resumes "
+                                              rf"from step 3, the last committed"):
+        checkpoint.commit(tmp_path, model, opt, step=4, job=JOB, keep=2)
+    assert sorted(checkpoint.generations(tmp_path, 0)) == [2, 3]
 
 
 # --- the training job on real local clusters --------------------------------------------
@@ -144,10 +208,14 @@ def test_the_decision_is_resume_all_fresh_all_or_refuse():
 STEPS = 8
 
 
+def _file(folder, rank, step):
+    return generation_path(folder, rank, step)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """An uninterrupted run; one stopped after 4 of its 8 steps (checkpoints at step 4); that
-    one resumed to the end in a copy (checkpoints at step 8)."""
+    one resumed to the end in a copy (checkpoints at steps 4 and 8)."""
     base = tmp_path_factory.mktemp("checkpoints")
     at4, at8 = base / "at4", base / "at8"
     straight = train_job(2, 1, "--steps", str(STEPS), "--checksums", "--set", "progress=false")
@@ -160,14 +228,49 @@ def runs(tmp_path_factory):
     return {"straight": straight, "first": first, "resumed": resumed, "at4": at4, "at8": at8}
 
 
-def test_a_resumed_run_matches_an_uninterrupted_one_bit_for_bit(runs):
-    for name in ("straight", "first", "resumed"):
-        assert runs[name].returncode == 0, runs[name].stdout[-3000:]
-    want, got = checksums(runs["straight"].stdout), checksums(runs["resumed"].stdout)
-    assert sorted(checksums(runs["first"].stdout)) == [1, 2, 3, 4]
-    assert sorted(got) == list(range(5, STEPS + 1))
+def _same_as_straight(runs, result, first_step):
+    """``result`` trained steps ``first_step``..STEPS, each bit-identical to the run never stopped."""
+    assert result.returncode == 0, result.stdout[-3000:]
+    want, got = checksums(runs["straight"].stdout), checksums(result.stdout)
+    assert sorted(got) == list(range(first_step, STEPS + 1))
     assert all(got[step] == want[step] for step in got)  # model, optimizer and residuals came back
-    assert {p.name for p in runs["at8"].iterdir()} == {"worker0.pt", "worker1.pt"}
+
+
+def test_a_resumed_run_matches_an_uninterrupted_one_bit_for_bit(runs):
+    for name in ("straight", "first"):
+        assert runs[name].returncode == 0, runs[name].stdout[-3000:]
+    assert sorted(checksums(runs["first"].stdout)) == [1, 2, 3, 4]
+    _same_as_straight(runs, runs["resumed"], 5)
+    assert "resuming from step 4, the newest step every worker holds intact" in runs["resumed"].stdout
+    assert {p.name for p in runs["at8"].iterdir()} == {
+        "worker0-step00000004.pt", "worker0-step00000008.pt", "worker0.commit",
+        "worker1-step00000004.pt", "worker1-step00000008.pt", "worker1.commit"}
+
+
+def _resumed(tmp_path, runs, setup):
+    """The job resumed from a copy of the step-4 and step-8 checkpoints changed by ``setup``."""
+    directory = tmp_path / "ckpt"
+    shutil.copytree(runs["at8"], directory)
+    setup(directory)
+    result = train_job(2, 1, "--steps", str(STEPS), "--checksums", "--checkpoint-dir", str(directory),
+                       "--set", "progress=false")
+    return directory.resolve(), result
+
+
+def test_a_step_one_worker_lacks_is_passed_over_for_the_newest_every_worker_holds(tmp_path, runs):
+    d, result = _resumed(tmp_path, runs, lambda d: _file(d, 1, 8).unlink())
+    _same_as_straight(runs, result, 5)
+    assert "[worker 0] resuming from step 4, the newest step every worker holds intact\n" \
+           f"[worker 0]   worker 0's step 8 ({_file(d, 0, 8)}) is not held by every worker: removed" \
+           in result.stdout, result.stdout[-3000:]
+    assert sorted(checkpoint.generations(d, 1)) == [4, 8]  # written again, and committed
+
+
+def test_a_damaged_newest_step_is_passed_over_naming_the_file(tmp_path, runs):
+    d, result = _resumed(tmp_path, runs, lambda d: _flip(_file(d, 0, 8), 4000))
+    _same_as_straight(runs, result, 5)
+    assert f"worker 0's {_file(d, 0, 8)} is damaged (checksum mismatch" in result.stdout, result.stdout[-3000:]
+    assert "step 8 was committed, but not every worker still holds it intact" in result.stdout
 
 
 def _refused(tmp_path, runs, *args, workers=2, steps=STEPS, setup=None):
@@ -201,55 +304,58 @@ def _flip(path, at, n=64):
     path.write_bytes(bytes(blob))
 
 
-def test_flipped_bytes_in_one_workers_checkpoint_are_refused(tmp_path, runs):
-    d, out = _refused(tmp_path, runs, setup=lambda d: _flip(d / "worker1.pt", 4000))
-    assert re.search(rf"worker 1: {d}/worker1.pt is damaged: checksum mismatch", out), out[-3000:]
-    assert "worker 0: " not in out
+def test_flipped_bytes_in_one_workers_only_checkpoint_are_refused(tmp_path, runs):
+    d, out = _refused(tmp_path, runs, setup=lambda d: _flip(_file(d, 1, 4), 4000))
+    assert f"worker 1: {_file(d, 1, 4)} is damaged: checksum mismatch" in out, out[-3000:]
+    assert f"no step is held intact by every worker: worker 0 holds step(s) 4 ({d}); worker 1 holds " \
+           f"none ({d})" in out
 
 
 def test_an_empty_and_a_truncated_checkpoint_are_refused(tmp_path, runs):
     def damage(d):
-        (d / "worker0.pt").write_bytes(b"")
-        with open(d / "worker1.pt", "r+b") as f:
+        _file(d, 0, 4).write_bytes(b"")
+        with open(_file(d, 1, 4), "r+b") as f:
             f.truncate(f.seek(0, 2) // 2)
     d, out = _refused(tmp_path, runs, setup=damage)
-    assert f"worker 0: {d}/worker0.pt is damaged: empty file (0 bytes)" in out, out[-3000:]
-    assert re.search(rf"worker 1: {d}/worker1.pt is damaged: truncated: \d+ of \d+ payload bytes",
+    assert f"worker 0: {_file(d, 0, 4)} is damaged: empty file (0 bytes)" in out, out[-3000:]
+    assert re.search(rf"worker 1: {_file(d, 1, 4)} is damaged: truncated: \d+ of \d+ payload bytes",
                      out), out[-3000:]
 
 
 def test_a_checkpoint_missing_on_one_worker_is_refused_naming_both(tmp_path, runs):
-    d, out = _refused(tmp_path, runs, setup=lambda d: (d / "worker0.pt").unlink())
-    assert (f"worker 1 ({d}/worker1.pt) would resume at step 4, worker 0 ({d}/worker0.pt) would "
-            f"start fresh") in out, out[-3000:]
+    d, out = _refused(tmp_path, runs, setup=lambda d: _file(d, 0, 4).unlink())
+    assert (f"no step is held intact by every worker: worker 0 holds none ({d}); worker 1 holds "
+            f"step(s) 4 ({d})") in out, out[-3000:]
 
 
 def test_checkpoints_of_another_cluster_shape_are_refused(tmp_path, runs):
     d, out = _refused(tmp_path, runs, workers=3)
     for rank in (0, 1):
-        assert (f"worker {rank}: {d}/worker{rank}.pt is foreign: saved by worker {rank} of 2, this "
+        assert (f"worker {rank}: {_file(d, rank, 4)} is foreign: saved by worker {rank} of 2, this "
                 f"is worker {rank} of 3") in out, out[-3000:]
 
 
 def test_checkpoints_of_another_model_are_refused(tmp_path, runs):
     d, out = _refused(tmp_path, runs, "--set", "model=mlp")
     for rank in (0, 1):
-        assert (f"worker {rank}: {d}/worker{rank}.pt is foreign: saved by another job: "
+        assert (f"worker {rank}: {_file(d, rank, 4)} is foreign: saved by another job: "
                 f"model='cnn' where this job has 'mlp'") in out, out[-3000:]
 
 
 def test_checkpoints_at_or_past_the_last_step_are_refused(tmp_path, runs):
     d, out = _refused(tmp_path, runs, steps=4)
     for rank in (0, 1):
-        assert (f"worker {rank}: {d}/worker{rank}.pt is too late: at step 4, at or beyond the "
+        assert (f"worker {rank}: {_file(d, rank, 4)} is too late: at step 4, at or beyond the "
                 f"job's 4 steps") in out, out[-3000:]
 
 
 def test_checkpoints_at_different_steps_are_refused(tmp_path, runs):
-    d, out = _refused(tmp_path, runs, setup=lambda d: shutil.copy(runs["at8"] / "worker1.pt", d),
-                      steps=30)
-    assert (f"checkpoints at different steps: worker 0 at step 4 ({d}/worker0.pt), worker 1 at "
-            f"step 8 ({d}/worker1.pt)") in out, out[-3000:]
+    def apart(d):
+        _file(d, 1, 4).unlink()
+        shutil.copy(_file(runs["at8"], 1, 8), d)
+    d, out = _refused(tmp_path, runs, setup=apart, steps=30)
+    assert (f"no step is held intact by every worker: worker 0 holds step(s) 4 ({d}); worker 1 "
+            f"holds step(s) 8 ({d})") in out, out[-3000:]
 
 
 def test_intact_checkpoints_of_two_different_runs_are_refused(tmp_path, runs):
@@ -259,21 +365,33 @@ def test_intact_checkpoints_of_two_different_runs_are_refused(tmp_path, runs):
     made = train_job(2, 1, "--steps", str(STEPS), "--stop-after", "4", "--seed", "7",
                      "--checkpoint-dir", str(other), "--set", "progress=false")
     assert made.returncode == 0, made.stdout[-3000:]
-    d, out = _refused(tmp_path, runs, setup=lambda d: shutil.copy(other / "worker1.pt", d))
+    d, out = _refused(tmp_path, runs, setup=lambda d: shutil.copy(_file(other, 1, 4), d))
     assert re.search(rf"they hold different parameters, so they come from different runs: worker 0 "
-                     rf"\({d}/worker0.pt\) \w+; worker 1 \({d}/worker1.pt\) \w+", out), out[-3000:]
+                     rf"\({_file(d, 0, 4)}\) \w+; worker 1 \({_file(d, 1, 4)}\) \w+", out), out[-3000:]
 
 
-def test_a_save_that_fails_says_which_and_keeps_the_previous_checkpoint(tmp_path):
-    """A full disk or a folder that cannot hold it: CheckpointError (the job's clean error,
-    not a traceback) naming the worker, the step and the file; no .tmp is left behind."""
-    from worker.checkpoint import CheckpointError, checkpoint_path, read, save
-    model = torch.nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    path = checkpoint_path(tmp_path, 0)
-    save(path, model, opt, step=1, workers=1, rank=0, job={})
-    full = tmp_path / "worker0.pt.tmp"
-    full.mkdir()  # the temporary file cannot be written where a folder stands
-    with pytest.raises(CheckpointError, match=r"worker 0: saving the step-2 checkpoint to .*worker0\.pt failed"):
-        save(path, model, opt, step=2, workers=1, rank=0, job={})
-    assert read(path)[0]["step"] == 1
+def test_a_full_disk_costs_only_the_steps_since_the_last_commit(runs, small_disk):
+    """Room for three and a half checkpoint files: the step-4 generation commits, the step-8
+    one fails on one worker or both (they write at once). Every worker names the same workers
+    and files; the rerun on a larger disk resumes from step 4 and trains exactly what the run
+    never stopped trained."""
+    folder, resize = small_disk
+    one = _file(runs["at4"], 0, 4).stat().st_size
+    resize(3 * one + one // 2 + 64 * 1024)  # + the commit records' pages
+    args = ("--steps", str(STEPS), "--checksums", "--checkpoint-dir", str(folder),
+            "--set", "progress=false", "--set", "checkpoint_every=4")
+    full = train_job(2, 1, *args, timeout=120, timed=True)
+    out = full.stdout
+    assert full.returncode != 0, out[-3000:]
+    said = dict(re.findall(r"\[worker (\d)\] worker: CheckpointError: (the step-8 checkpoint is not "
+                           r"committed: .*)", out))
+    assert sorted(said) == ["0", "1"] and said["0"] == said["1"], out[-3000:]  # every worker, alike
+    failures = re.findall(r"worker (\d): saving to (\S+) failed \(No space left on device\)", said["0"])
+    assert failures and all(path == str(_file(folder, int(rank), 8)) for rank, path in failures), said
+    assert said["0"].endswith("the job stops, and a rerun resumes from step 4, the last committed")
+    assert "Traceback" not in out, out[-3000:]
+    assert not list(folder.glob("*.tmp")), list(folder.iterdir())
+    resize("64m")
+    again = train_job(2, 1, *args)
+    _same_as_straight(runs, again, 5)
+    assert "resuming from step 4, the newest step every worker holds intact" in again.stdout

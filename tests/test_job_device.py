@@ -14,7 +14,7 @@ import torch
 
 from adtopk_ps.launcher import free_port
 from procs import DIGITS_CNN, bpslaunch
-from worker import checkpoint, config
+from worker import checkpoint, checkpoint_file, config
 from worker.device import resolve
 from worker.models import build
 from worker.validate import ConfigError
@@ -104,21 +104,27 @@ def _trained(device, seed: int):
 JOB = checkpoint.job_identity(config.DEFAULTS)
 
 
+def _save(folder, model, opt):
+    path = checkpoint.generation_path(folder, 0, 5)
+    checkpoint_file.write(path, model, opt, {"step": 5, "workers": 1, "rank": 0, "job": JOB})
+    return path
+
+
 def _payload(path) -> bytes:
     blob = path.read_bytes()
-    return blob[len(checkpoint.MAGIC):].split(b"\n", 2)[2]
+    return blob[len(checkpoint_file.MAGIC):].split(b"\n", 2)[2]
 
 
 def test_a_checkpoint_is_saved_from_the_cpu_and_loads_onto_the_models_device(tmp_path, device):
     model, opt = _trained(device, 0)
-    checkpoint.save(checkpoint.checkpoint_path(tmp_path, 0), model, opt, step=5, workers=1, rank=0, job=JOB)
-    saved = torch.load(io.BytesIO(_payload(checkpoint.checkpoint_path(tmp_path, 0))), weights_only=True)
+    path = _save(tmp_path, model, opt)
+    saved = torch.load(io.BytesIO(_payload(path)), weights_only=True)
     tensors = [*saved["model"].values(), *(t for s in saved["optimizer"]["state"].values() for t in s.values()
                                            if isinstance(t, torch.Tensor))]
     assert len(tensors) > 8 and {t.device.type for t in tensors} == {"cpu"}
     fresh, fresh_opt = _trained(device, 1)
-    found = checkpoint.inspect(str(tmp_path), 0, 1, JOB, 100, fresh, fresh_opt)
-    assert (found.state, found.step) == ("valid", 5), found
+    assert checkpoint.survey(str(tmp_path), 0, 1, JOB).held == {5: str(path.resolve())}
+    assert checkpoint.load_into(path, fresh, fresh_opt) is None
     assert checkpoint.parameters_digest(fresh) == checkpoint.parameters_digest(model)
     for p, q in zip(fresh.parameters(), model.parameters()):
         assert p.device == q.device and torch.equal(fresh_opt.state[p]["momentum_buffer"],
@@ -138,21 +144,20 @@ def _as_if_saved_on(path, device: str) -> None:
                 assert b"X\x03\x00\x00\x00cpu" in blob  # (pickled once, referred to after)
                 blob = blob.replace(b"X\x03\x00\x00\x00cpu", b"X" + tag)
             rewritten.writestr(info.filename, blob)
-    meta, _ = checkpoint.read(path)
+    meta, _ = checkpoint_file.read(path)
     payload = out.getvalue()
-    path.write_bytes(checkpoint.header_for({k: v for k, v in meta.items() if k != "bytes"}, payload) + payload)
+    path.write_bytes(checkpoint_file.header_for({k: v for k, v in meta.items() if k != "bytes"}, payload) + payload)
 
 
 def test_a_checkpoint_saved_on_a_gpu_resumes_on_the_cpu(tmp_path):
     model, opt = _trained("cpu", 0)
-    path = checkpoint.checkpoint_path(tmp_path, 0)
-    checkpoint.save(path, model, opt, step=5, workers=1, rank=0, job=JOB)
+    path = _save(tmp_path, model, opt)
     _as_if_saved_on(path, "cuda:0")
     if not torch.cuda.is_available():  # it really names a GPU: torch alone refuses it here
         with pytest.raises(RuntimeError, match="CUDA"):
             torch.load(io.BytesIO(_payload(path)), weights_only=True)
     fresh, fresh_opt = _trained("cpu", 1)
-    found = checkpoint.inspect(str(tmp_path), 0, 1, JOB, 100, fresh, fresh_opt)
-    assert (found.state, found.step) == ("valid", 5), found
+    assert checkpoint.survey(str(tmp_path), 0, 1, JOB).held == {5: str(path.resolve())}
+    assert checkpoint.load_into(path, fresh, fresh_opt) is None
     assert checkpoint.parameters_digest(fresh) == checkpoint.parameters_digest(model)
     assert all(fresh_opt.state[p]["momentum_buffer"].device.type == "cpu" for p in fresh.parameters())

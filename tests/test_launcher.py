@@ -13,7 +13,7 @@ import pytest
 
 from adtopk_ps.launcher import Child, free_port, supervise
 
-from procs import FAST, bpslaunch
+from procs import DIGITS_CNN, FAST, bpslaunch
 
 CONTRACT = ["DMLC_ROLE", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI",
             "DMLC_PS_ROOT_PORT", "DMLC_WORKER_ID", "BYTEPS_LOCAL_SIZE", "BYTEPS_LOCAL_RANK"]
@@ -441,18 +441,14 @@ def test_a_scheduler_whose_port_is_taken_says_so_and_exits_2():
     assert f"cannot listen on DMLC_PS_ROOT_PORT={port}" in text and "Traceback" not in text
 
 
-def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_too():
-    """On Kubernetes each role is its own Job: one whose worker raised must not show the
-    scheduler and server Jobs as Complete. Every role exits non-zero, naming the error."""
+def _roles_by_hand(worker_argv: list[str]) -> tuple[list[int], list[str]]:
+    """A scheduler, a server and two workers started by hand (role mode), each worker running
+    ``worker_argv``: their exit statuses and outputs, in that order."""
     env = _by_hand(workers=2, servers=1)
-    program = ("import os, torch, adtopk_ps.torch as bps\n"
-               "bps.init()\n"
-               "bps.allreduce(torch.ones(2), name='step')\n"
-               "if bps.rank() == 1: raise RuntimeError('the data loader broke')\n")
     procs = [subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": role},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for role in ("scheduler", "server")]
-    procs += [subprocess.Popen([*LAUNCH, sys.executable, "-c", program],
+    procs += [subprocess.Popen([*LAUNCH, *worker_argv],
                                env={**env, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(w)},
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
               for w in range(2)]
@@ -462,11 +458,31 @@ def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_to
         for p in procs:
             p.kill()
             p.wait()
-    scheduler, server, worker0, worker1 = (p.returncode for p in procs)
-    assert (worker0, worker1) == (0, 1), outs
-    assert scheduler == 1 and server == 1, outs
+    return [p.returncode for p in procs], outs
+
+
+def test_in_role_mode_a_worker_that_fails_fails_the_scheduler_and_the_servers_too():
+    """On Kubernetes each role is its own Job: one whose worker raised must not show the
+    scheduler and server Jobs as Complete. Every role exits non-zero, naming the error."""
+    program = ("import os, torch, adtopk_ps.torch as bps\n"
+               "bps.init()\n"
+               "bps.allreduce(torch.ones(2), name='step')\n"
+               "if bps.rank() == 1: raise RuntimeError('the data loader broke')\n")
+    codes, outs = _roles_by_hand([sys.executable, "-c", program])
+    assert codes == [1, 1, 0, 1], outs
     for out in outs[:2]:
         assert "RuntimeError: the data loader broke" in out, out[-2000:]
+
+
+def test_in_role_mode_a_training_job_that_ends_on_its_own_error_fails_every_role(tmp_path):
+    """The training job catches its errors (a refused checkpoint here), prints one line and
+    exits 1, with no uncaught exception: its finish still fails the job on every role."""
+    (tmp_path / "worker0-step00000004.pt").write_bytes(b"not a checkpoint")
+    codes, outs = _roles_by_hand([sys.executable, "-m", "worker", "--config", DIGITS_CNN, "--steps", "8",
+                                  "--checkpoint-dir", str(tmp_path), "--set", "progress=false"])
+    assert codes == [1, 1, 1, 1], outs
+    for out in outs:
+        assert "CheckpointError: checkpoints refused on every worker" in out, out[-2000:]
 
 
 def test_a_node_of_another_job_is_refused_by_a_scheduler_left_on_the_port():

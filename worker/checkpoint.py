@@ -1,27 +1,33 @@
-"""Per-worker checkpoints that are verified, and agreed on by every worker, before a resume.
+"""Checkpoints the job can always resume from: generations, a commit across the workers,
+and a resume from the newest step every worker holds intact.
 
-A checkpoint file is a header and a payload::
+Each worker keeps its own files, ``worker{rank}-step{step:08d}.pt`` in checkpoint_file.py's
+format, in its ``--checkpoint-dir`` (on its own disk, or in a folder the workers share).
+Saving step N (:func:`commit`):
 
-    adtopk-ps checkpoint 1\\n
-    <sha256 of everything after this line, 64 hex digits>\\n
-    {"bytes": ..., "job": {...}, "rank": 0, "step": 20, "workers": 2}\\n
-    <torch.save of {"model": ..., "optimizer": ...}>
+1. every worker writes its file; a write that fails (a full disk) leaves no temporary file;
+2. the workers tell each other whether their write worked: step N is committed only when
+   every worker has written it. Each records the commit in ``worker{rank}.commit`` and only
+   then removes its generations beyond the newest ``keep``;
+3. a write that failed on any worker ends the job on every worker with one message naming
+   the worker, the file and the error. Nothing is removed before a newer step is committed,
+   so a full disk costs at most the steps since the last commit.
 
-so a flipped byte anywhere, an empty or truncated file, or another job's or
-cluster shape's file is found before ``torch.load`` reads it. On resume every
-worker reports what it found and the workers gather the reports: the job
-resumes only when every worker holds a valid checkpoint of this job at the
-same step, starts fresh only when none does, and otherwise stops on every
-worker alike with one message naming each file and worker at fault (one
-worker resuming while another starts fresh trains replicas that never agree).
+On start (:func:`restore`) every worker surveys its folder and the workers gather what each
+holds. They resume from the newest step that every worker holds intact and for this job,
+saying which and why any newer file was passed over; start fresh when no worker holds
+anything; and otherwise refuse on every worker alike, naming each file at fault (one worker
+resuming while another starts fresh trains replicas that never agree). Generations newer
+than the resumed step were never committed; they are removed, as the run writes them again.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -30,29 +36,30 @@ from torch import nn
 import adtopk_ps.torch as bps
 from adtopk_ps.transport import ClusterError
 
-MAGIC = b"adtopk-ps checkpoint 1\n"
+from .checkpoint_file import Damaged, read, read_header, write
+
+log = logging.getLogger("adtopk_ps.checkpoint")
+
 # the keys that define what a checkpoint holds (parameters, optimizer state, residuals);
 # the others (lr, steps, schedule, batch size, seed) may change between runs, as when extending one
 JOB_KEYS = ("model", "model_args", "dataset", "dataset_args", "compression")
+REFUSED = "checkpoints refused on every worker, none trains:\n  "
 
 
 class CheckpointError(ClusterError):
-    """The workers' checkpoints cannot all resume one job: refused on every worker alike."""
-
-
-class Damaged(ValueError):
-    """A checkpoint file that is not intact; the message says how."""
+    """The workers' checkpoints cannot all resume one job, or a step could not be committed:
+    raised on every worker alike."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    """What one worker found at its checkpoint path, as every worker is told it."""
+    """What one worker holds in its checkpoint folder, as every worker is told it."""
 
     rank: int
-    path: str
-    state: str  # "off" (no checkpoint dir), "absent", "valid", "damaged", "foreign" or "late"
-    reason: str = ""
-    step: int | None = None
+    folder: str  # "" without --checkpoint-dir
+    held: dict[int, str]  # step -> file, for every intact file of this job and cluster shape
+    faults: tuple[tuple[str, str, str], ...] = ()  # (file, "damaged" or "foreign", why)
+    committed: int | None = None  # the last step this worker recorded as committed
 
 
 def job_identity(cfg: dict) -> dict:
@@ -62,108 +69,102 @@ def job_identity(cfg: dict) -> dict:
     return json.loads(json.dumps(job, sort_keys=True, default=str))
 
 
-def checkpoint_path(directory: str | os.PathLike, rank: int) -> Path:
-    """Where worker ``rank`` keeps its checkpoint in ``directory``."""
-    return Path(directory) / f"worker{rank}.pt"
+def generation_path(directory: str | os.PathLike, rank: int, step: int) -> Path:
+    """Where worker ``rank`` keeps its checkpoint of ``step`` in ``directory``."""
+    return Path(directory) / f"worker{rank}-step{step:08d}.pt"
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def generations(directory: str | os.PathLike, rank: int) -> dict[int, Path]:
+    """Worker ``rank``'s checkpoint files in ``directory``, by step."""
+    pattern = re.compile(rf"worker{rank}-step(\d+)\.pt")
+    found = (pattern.fullmatch(p.name) for p in Path(directory).glob(f"worker{rank}-step*.pt"))
+    return {int(m.group(1)): Path(directory) / m.group(0) for m in found if m}
 
 
-def header_for(meta: dict, payload: bytes | memoryview) -> bytes:
-    """The header that goes before ``payload`` (``torch.save`` bytes) for ``meta``."""
-    line = json.dumps({**meta, "bytes": len(payload)}, sort_keys=True).encode() + b"\n"
-    digest = hashlib.sha256(line)
-    digest.update(payload)
-    return MAGIC + digest.hexdigest().encode() + b"\n" + line
+def commit(directory: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer, *,
+           step: int, job: dict, keep: int) -> Path:
+    """Write this worker's checkpoint of ``step`` and commit it with every other worker's;
+    keep the newest ``keep`` generations. Every worker calls it at the same steps.
 
-
-def on_cpu(state: object) -> object:
-    """``state`` (nested dicts, lists and tuples) with every tensor copied to the CPU: a
-    checkpoint names no device, so one saved on a GPU resumes on a CPU and the other way round."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {key: on_cpu(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(on_cpu(value) for value in state)
-    return state
-
-
-def save(path: Path, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, workers: int,
-         rank: int, job: dict) -> None:
-    """Write ``path`` atomically: a temporary file beside it, fsync, rename, fsync the directory.
-
-    A crash at any moment leaves either the previous checkpoint or this one, never a torn file.
-    Tensors are saved from the CPU (:func:`on_cpu`); :func:`read` loads them there, and
-    loading them into the model and optimizer moves them to the model's device.
+    Raises :class:`CheckpointError` on every worker alike when any worker's write failed.
 
     Example::
 
-        save(checkpoint_path("ckpt", rank), model, opt, step=step + 1, workers=size, rank=rank,
-             job=job_identity(cfg))
+        if (step + 1) % cfg["checkpoint_every"] == 0:
+            checkpoint.commit("ckpt", model, opt, step=step + 1, job=job_identity(cfg), keep=2)
     """
-    buffer = io.BytesIO()
-    torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict()}), buffer)
-    header = header_for({"job": job, "rank": rank, "step": step, "workers": workers},
-                        buffer.getbuffer())
-    tmp = path.with_name(path.name + ".tmp")
+    rank, workers = bps.rank(), bps.size()
+    path = generation_path(directory, rank, step)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(buffer.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_directory(path.parent)
-    except OSError as exc:  # a full disk, say: the previous checkpoint stays as it was
-        if tmp.is_file():
-            tmp.unlink()
-        raise CheckpointError(f"worker {rank}: saving the step-{step} checkpoint to {path} "
-                              f"failed ({exc.strerror or exc}); the previous one is kept") from None
+        write(path, model, opt, {"job": job, "rank": rank, "step": step, "workers": workers})
+        failure = None
+    except OSError as exc:  # the file's temporary copy is gone; the older generations stay
+        failure = f"worker {rank}: saving to {path} failed ({exc.strerror or exc})"
+    failures = [f for f in bps.allgather_object(failure, name="checkpoint.commit") if f]
+    if failures:
+        last = _committed(Path(directory), rank)
+        then = f"step {last}, the last committed" if last is not None else "the start (none committed)"
+        raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
+                              f"the job stops, and a rerun resumes from {then}")
+    _record_commit(Path(directory), rank, step)
+    for old in sorted(generations(directory, rank))[:-keep]:
+        _remove(generation_path(directory, rank, old), "an older generation")
+    return path
 
 
-def read(path: Path) -> tuple[dict, dict]:
-    """The header and the state saved in ``path``, tensors on the CPU; :class:`Damaged` if not intact."""
-    blob = path.read_bytes()
-    if not blob:
-        raise Damaged("empty file (0 bytes)")
-    if not blob.startswith(MAGIC):
-        if MAGIC.startswith(blob):
-            raise Damaged(f"truncated: {len(blob)} bytes, inside its header")
-        raise Damaged("not an adtopk-ps checkpoint (no checkpoint header)")
-    lines = blob[len(MAGIC):].split(b"\n", 2)
-    if len(lines) < 3:
-        raise Damaged(f"truncated: {len(blob)} bytes, inside its header")
-    stored, meta_line, payload = lines
+def _record_commit(folder: Path, rank: int, step: int) -> None:
+    """A record of the last committed step; the files themselves decide a resume, so a record
+    that cannot be written (a disk that just filled) costs only its mention in messages."""
+    record, tmp = folder / f"worker{rank}.commit", folder / f"worker{rank}.commit.tmp"
     try:
-        meta = json.loads(meta_line)
-        declared = meta["bytes"]
-    except (ValueError, TypeError, KeyError):
-        meta, declared = None, None
-    if isinstance(declared, int) and len(payload) < declared:
-        raise Damaged(f"truncated: {len(payload)} of {declared} payload bytes ({len(blob)} in all)")
-    digest = hashlib.sha256(meta_line + b"\n")
-    digest.update(payload)
-    if stored != digest.hexdigest().encode():
-        raise Damaged(f"checksum mismatch: sha256 {digest.hexdigest()[:16]}... of the content, "
-                      f"{stored[:16].decode(errors='replace')}... in the header")
-    if not isinstance(meta, dict) or declared != len(payload) or not isinstance(meta.get("job"), dict) \
-            or not all(type(meta.get(key)) is int for key in ("rank", "step", "workers")):
-        raise Damaged("malformed header")
+        tmp.write_text(json.dumps({"step": step}) + "\n")
+        os.replace(tmp, record)
+    except OSError as exc:
+        log.warning("worker %d: step %d is committed, but its record %s could not be written (%s)",
+                    rank, step, record, exc.strerror or exc)
+        tmp.unlink(missing_ok=True)
+
+
+def _committed(folder: Path, rank: int) -> int | None:
     try:
-        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as exc:  # an intact file that torch cannot read: another version's format
-        raise Damaged(f"unreadable payload: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
-    if not isinstance(state, dict) or not {"model", "optimizer"} <= set(state):
-        raise Damaged("payload holds no model and optimizer state")
-    return meta, state
+        step = json.loads((folder / f"worker{rank}.commit").read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return step if type(step) is int else None
+
+
+def _remove(path: Path, why: str) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("could not remove %s, %s: %s", path, why, exc.strerror or exc)
+
+
+def survey(directory: str | None, rank: int, workers: int, job: dict) -> Finding:
+    """What this worker holds: every generation read in full and checked, and the temporary
+    files of an interrupted save removed."""
+    if directory is None:
+        return Finding(rank, "", {})
+    folder = Path(directory).resolve()
+    for tmp in folder.glob(f"worker{rank}-step*.pt.tmp"):
+        _remove(tmp, "left by an interrupted save")
+    held, faults = {}, []
+    for step, path in sorted(generations(folder, rank).items()):
+        try:
+            meta = read_header(path)
+        except (Damaged, OSError) as exc:  # OSError: a file we may not read, say
+            faults.append((str(path), "damaged", str(exc)))
+            continue
+        if (meta["workers"], meta["rank"]) != (workers, rank):
+            faults.append((str(path), "foreign", f"saved by worker {meta['rank']} of "
+                                                 f"{meta['workers']}, this is worker {rank} of {workers}"))
+        elif meta["job"] != job:
+            faults.append((str(path), "foreign", f"saved by another job: {_differences(meta['job'], job)}"))
+        elif meta["step"] != step:
+            faults.append((str(path), "damaged", f"holds step {meta['step']} under the name of step {step}"))
+        else:
+            held[step] = str(path)
+    return Finding(rank, str(folder), held, tuple(faults), _committed(folder, rank))
 
 
 def _differences(saved: dict, job: dict) -> str:
@@ -172,76 +173,49 @@ def _differences(saved: dict, job: dict) -> str:
                      for k in keys if saved.get(k) != job.get(k))
 
 
-def inspect(directory: str | None, rank: int, workers: int, job: dict, total: int,
-            model: nn.Module, opt: torch.optim.Optimizer) -> Finding:
-    """This worker's finding; a valid checkpoint is loaded into ``model`` and ``opt`` (on their devices).
-
-    Loading before the workers agree is harmless: they either all resume from what they
-    loaded, or (when any refuses) none trains at all.
-    """
-    if directory is None:
-        return Finding(rank, "", "off", "no --checkpoint-dir")
-    path = checkpoint_path(directory, rank).resolve()
-    try:
-        if not path.exists():
-            return Finding(rank, str(path), "absent", "no such file")
-        meta, state = read(path)
-    except (Damaged, OSError) as exc:  # OSError: a directory we may not read, say
-        return Finding(rank, str(path), "damaged", str(exc))
-    step = meta["step"]
-    if (meta["workers"], meta["rank"]) != (workers, rank):
-        return Finding(rank, str(path), "foreign",
-                       f"saved by worker {meta['rank']} of {meta['workers']}, "
-                       f"this is worker {rank} of {workers}", step)
-    if meta["job"] != job:
-        return Finding(rank, str(path), "foreign",
-                       f"saved by another job: {_differences(meta['job'], job)}", step)
-    if step >= total:
-        return Finding(rank, str(path), "late",
-                       f"at step {step}, at or beyond the job's {total} steps: nothing left to train "
-                       f"(raise --steps, or remove the checkpoints to start over)", step)
-    try:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-    except Exception as exc:  # any failure is this worker's finding: raised here, the others would wait
-        return Finding(rank, str(path), "foreign",
-                       f"does not fit this model or optimizer: {str(exc).splitlines()[0]}", step)
-    return Finding(rank, str(path), "valid", "", step)
+def decide(findings: list[Finding], total: int) -> tuple[int | None, list[str]]:
+    """The step every worker resumes from (None: start fresh) and notes on the files passed
+    over, or :class:`CheckpointError`. A function of the gathered findings alone, so every
+    worker decides alike."""
+    problems = [f"worker {f.rank}: {file} is foreign: {why}"
+                for f in findings for file, state, why in f.faults if state == "foreign"]
+    common = set.intersection(*(set(f.held) for f in findings))
+    if not problems and common:
+        step = max(common)
+        if step < total:
+            return step, _passed_over(findings, step)
+        problems = [f"worker {f.rank}: {f.held[step]} is too late: at step {step}, at or beyond the "
+                    f"job's {total} steps: nothing left to train (raise --steps, or remove the "
+                    f"checkpoints to start over)" for f in findings]
+    elif not problems and not any(f.held or f.faults for f in findings):
+        return None, []
+    elif not problems:
+        problems = [f"worker {f.rank}: {file} is damaged: {why}" for f in findings for file, _, why in f.faults]
+        problems.append("no step is held intact by every worker: " + "; ".join(map(_holding, findings))
+                        + "; restore the missing files, or remove them all to start over")
+    raise CheckpointError(REFUSED + "\n  ".join(problems))
 
 
-_FAULTS = {"damaged": "damaged", "foreign": "foreign", "late": "too late"}
+def _holding(f: Finding) -> str:
+    if not f.folder:
+        return f"worker {f.rank} has no --checkpoint-dir"
+    if not f.held:
+        return f"worker {f.rank} holds none ({f.folder})"
+    return f"worker {f.rank} holds step(s) {', '.join(map(str, sorted(f.held)))} ({f.folder})"
 
 
-def _names(findings: list[Finding]) -> str:
-    return ", ".join(f"worker {f.rank} ({f.path or f.reason})" for f in findings)
-
-
-def decide(findings: list[Finding]) -> int | None:
-    """The step every worker resumes from, None to start fresh, or :class:`CheckpointError`.
-
-    A function of the gathered findings alone, so every worker decides alike.
-    """
-    problems = [f"worker {f.rank}: {f.path} is {_FAULTS[f.state]}: {f.reason}"
-                for f in findings if f.state in _FAULTS]
-    valid = [f for f in findings if f.state == "valid"]
-    missing = [f for f in findings if f.state in ("absent", "off")]
-    if valid and missing:
-        problems.append(f"checkpoints on some workers only: {_names(valid)} would resume at step "
-                        f"{valid[0].step}, {_names(missing)} would start fresh; restore the missing "
-                        f"checkpoint(s), or remove them all to start over")
-    steps = sorted({f.step for f in valid})
-    if len(steps) > 1:
-        problems.append("checkpoints at different steps: " + ", ".join(
-            f"worker {f.rank} at step {f.step} ({f.path})" for f in valid))
-    if problems:
-        raise CheckpointError("checkpoints refused on every worker, none trains:\n  "
-                              + "\n  ".join(problems))
-    return steps[0] if valid else None
+def _passed_over(findings: list[Finding], step: int) -> list[str]:
+    notes = [f"worker {f.rank}'s step {s} ({f.held[s]}) is not held by every worker: removed"
+             for f in findings for s in sorted(f.held) if s > step]
+    notes += [f"worker {f.rank}'s {file} is damaged ({why})" for f in findings for file, _, why in f.faults]
+    committed = {f.committed for f in findings if f.committed is not None and f.committed > step}
+    notes += [f"step {c} was committed, but not every worker still holds it intact" for c in sorted(committed)]
+    return notes
 
 
 def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer, cfg: dict,
             total: int) -> int | None:
-    """Resume every worker from its checkpoint, or none: the step to continue from, or None.
+    """Resume every worker from one step, or none: the step to continue from, or None.
 
     Every worker calls it at start-up, with or without a checkpoint directory, before the
     first step; it raises :class:`CheckpointError` on every worker alike when they cannot all
@@ -254,11 +228,38 @@ def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer,
             bps.broadcast_parameters(model.state_dict(), root_rank=0)
     """
     rank, workers = bps.rank(), bps.size()
-    mine = inspect(directory, rank, workers, job_identity(cfg), total, model, opt)
-    step = decide(bps.allgather_object(mine, name="checkpoint.findings"))
-    if step is not None:
-        _check_same_parameters(directory, model)
+    mine = survey(directory, rank, workers, job_identity(cfg))
+    step, notes = decide(bps.allgather_object(mine, name="checkpoint.findings"), total)
+    if step is None:
+        return None
+    path = Path(mine.held[step])
+    _check_loaded(path, load_into(path, model, opt), model)
+    for newer in (s for s in mine.held if s > step):
+        _remove(Path(mine.held[newer]), "newer than the step every worker holds")
+    if rank == 0:
+        print(f"resuming from step {step}, the newest step every worker holds intact"
+              + "".join(f"\n  {note}" for note in notes), flush=True)
     return step
+
+
+def load_into(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> str | None:
+    """Load ``path`` into ``model`` and ``opt`` (on their devices): None, or what failed.
+    Any failure is reported to every worker, never raised here: the others would wait.
+
+    Example::
+
+        failure = load_into(generation_path("ckpt", 0, 20), model, opt)
+    """
+    try:
+        _, state = read(path)
+    except (Damaged, OSError) as exc:  # changed since the survey
+        return f"{path} is damaged: {exc}"
+    try:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    except Exception as exc:
+        return f"{path} is foreign: does not fit this model or optimizer: {str(exc).splitlines()[0]}"
+    return None
 
 
 def parameters_digest(model: nn.Module) -> str:
@@ -269,12 +270,16 @@ def parameters_digest(model: nn.Module) -> str:
     return h.hexdigest()[:16]
 
 
-def _check_same_parameters(directory: str | os.PathLike, model: nn.Module) -> None:
-    """Data-parallel workers hold the same parameters after every step, so intact checkpoints
-    that differ were saved by different runs (a re-run with another seed, an old copy)."""
-    digests = bps.allgather_object(parameters_digest(model), name="checkpoint.parameters")
-    if len(set(digests)) > 1:
-        held = "; ".join(f"worker {r} ({checkpoint_path(directory, r)}) {d}"
-                         for r, d in enumerate(digests))
-        raise CheckpointError(f"checkpoints refused on every worker, none trains: they hold "
-                              f"different parameters, so they come from different runs: {held}")
+def _check_loaded(path: Path, failure: str | None, model: nn.Module) -> None:
+    """Every worker loaded its file, and they hold the same parameters: data-parallel workers
+    do after every step, so intact checkpoints that differ come from different runs (a re-run
+    with another seed, an old copy)."""
+    reports = bps.allgather_object((failure, None if failure else parameters_digest(model), str(path)),
+                                   name="checkpoint.parameters")
+    failed = [f"worker {r}: {why}" for r, (why, _, _) in enumerate(reports) if why]
+    if failed:
+        raise CheckpointError(REFUSED + "\n  ".join(failed))
+    if len({digest for _, digest, _ in reports}) > 1:
+        held = "; ".join(f"worker {r} ({file}) {digest}" for r, (_, digest, file) in enumerate(reports))
+        raise CheckpointError(f"{REFUSED}they hold different parameters, so they come from "
+                              f"different runs: {held}")

@@ -19,7 +19,7 @@ DEFAULTS = {
     "epochs": 10, "steps": None,
     "compression": {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"},
     "min_compress_bytes": 65536, "budget": False, "cost_model": False, "dense_transport": "ps",
-    "eval_every": 50, "checkpoint_every": 100, "verify_every": 100, "seed": 0,
+    "eval_every": 50, "checkpoint_every": 100, "checkpoint_keep": 2, "verify_every": 100, "seed": 0,
     "metrics": None, "progress": True,
     "nonfinite": "stop",  # a NaN or Inf gradient: "stop" the job naming it, or "skip" the step
     "device": "auto",  # "auto" (this local rank's GPU where there is one, else the CPU), "cpu", "cuda"

@@ -4,12 +4,10 @@
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,6 +19,7 @@ from adtopk_ps.client import CollectiveError
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.env import EnvError
 from adtopk_ps.stop import stop_quietly_on_signals
+from adtopk_ps.torch.runtime import mark_failed
 from adtopk_ps.transport import ClusterError
 
 from . import checkpoint
@@ -28,7 +27,8 @@ from . import config as job_config
 from . import device as job_device
 from .data import Dataset, DatasetUnavailable, load
 from .models import build
-from .validate import OPTIMIZERS, writable_outputs
+from .outputs import MetricsLog, OutputError, write_summary, writable_outputs
+from .validate import OPTIMIZERS
 
 
 
@@ -122,9 +122,8 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
     start = starting_step(args, model, opt, cfg, total)
-    ckpt = checkpoint.checkpoint_path(args.checkpoint_dir, rank) if args.checkpoint_dir else None
     base_lr = cfg["optimizer"].get("lr", 0.01)
-    log = open(cfg["metrics"], "a") if cfg["metrics"] and rank == 0 else None
+    log = MetricsLog(cfg["metrics"]) if cfg["metrics"] and rank == 0 else None
     client = bps.client()
     bar = tqdm(total=total, initial=start, disable=not cfg["progress"] or rank != 0,
                file=sys.stdout, mininterval=1.0, ascii=True, desc="train")
@@ -147,11 +146,10 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
                       "samples_per_s": size * batch * done / (time.perf_counter() - began),
                       **traffic(client, opt)}
             record["accuracy"], record["test_loss"] = evaluate(model, data)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        if ckpt is not None and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
-            checkpoint.save(ckpt, model, opt, step=step + 1, workers=size, rank=rank,
-                            job=checkpoint.job_identity(cfg))
+            log.append(record)
+        if args.checkpoint_dir and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
+            checkpoint.commit(args.checkpoint_dir, model, opt, step=step + 1,
+                              job=checkpoint.job_identity(cfg), keep=cfg["checkpoint_keep"])
     bar.close()
     wall = time.perf_counter() - began
     accuracy, test_loss = evaluate(model, data)
@@ -236,15 +234,23 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
             # DMLC_* variable, or a dataset too small for the workers (every worker finds it)
             print(f"worker: {exc}", file=sys.stderr, flush=True)
+            mark_failed(f"{type(exc).__name__}: {exc}")
             return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
-                                bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError)):
+                                bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError,
+                                OutputError)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        mark_failed(f"{type(exc).__name__}: {exc}")
         return 1
     if summary["rank"] == 0:
         print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                      for k, v in summary.items()), flush=True)
         if args.metrics_out:
-            Path(args.metrics_out).write_text(json.dumps(summary, indent=2) + "\n")
+            try:
+                write_summary(args.metrics_out, summary)
+            except OutputError as exc:
+                print(f"worker: OutputError: {exc}", file=sys.stderr, flush=True)
+                mark_failed(f"OutputError: {exc}")
+                return 1
     return 0

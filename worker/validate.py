@@ -10,8 +10,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
-import tempfile
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -217,7 +215,7 @@ SCHEMA: dict[str, Check] = {
     "epochs": integer(1), "steps": integer(1, optional=True),
     "compression": compression, "min_compress_bytes": integer(0),
     "budget": boolean, "cost_model": boolean, "dense_transport": choice(DENSE_TRANSPORTS),
-    "eval_every": integer(1), "checkpoint_every": integer(1), "verify_every": integer(0),
+    "eval_every": integer(1), "checkpoint_every": integer(1), "checkpoint_keep": integer(1), "verify_every": integer(0),
     "seed": integer(0),
     "metrics": metrics, "progress": boolean,
     "nonfinite": choice(NONFINITE), "device": device,
@@ -231,26 +229,3 @@ def validate(cfg: Mapping) -> None:
         if key not in cfg:
             raise ConfigError(f"config key {key} is missing")
         check(key, cfg[key], cfg)
-
-
-def writable_outputs(checkpoint_dir: str | None, metrics_out: str | None,
-                     metrics: str | None) -> None:
-    """Where the job will write, checked before it joins the cluster: a folder it cannot
-    write to, found only when the first checkpoint or the summary is due, costs the run."""
-    if checkpoint_dir:
-        folder = Path(checkpoint_dir)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
-                pass
-        except OSError as exc:
-            raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: cannot write there "
-                              f"({exc.strerror or exc})") from None
-    for what, file in (("--metrics-out", metrics_out), ("config key metrics", metrics)):
-        if not file:
-            continue
-        folder = Path(file).resolve().parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK) or \
-                (Path(file).exists() and not os.access(file, os.W_OK)):
-            raise ConfigError(f"{what} {file}: cannot write there (its folder {folder} is "
-                              f"missing or not writable)")

@@ -125,6 +125,20 @@ _membership = Membership()
 _uncaught: list[str] = []  # the exception the process is ending on, once there is one
 
 
+def mark_failed(reason: str) -> None:
+    """Say that this process is ending on a failure it handled itself (it prints its error and
+    exits non-zero), so that its finish fails the job on every role as an uncaught exception
+    does: the scheduler and the servers then exit non-zero too, naming this worker.
+
+    Example::
+
+        except CheckpointError as exc:
+            mark_failed(f"CheckpointError: {exc}")
+            return 1
+    """
+    _uncaught.append(reason)
+
+
 def _note_uncaught_exceptions() -> None:
     """Remember an exception that ends the process (``sys.excepthook`` runs before atexit), so
     that this worker's finish tells the job it failed."""
