@@ -135,17 +135,30 @@ def _found(rank, *steps, faults=(), committed=None, folder="/ckpt"):
 
 
 def test_the_newest_step_every_worker_holds_is_resumed_and_what_was_passed_over_is_said():
-    assert checkpoint.decide([_found(0, 10, 20), _found(1, 10, 20)], 100) == (20, [])
-    step, notes = checkpoint.decide([_found(0, 10, 20, committed=10), _found(1, 10, committed=10)], 100)
-    assert step == 10 and notes == ["worker 0's step 20 (/ckpt/worker0-step00000020.pt) is not held "
-                                    "by every worker: removed"]
+    assert checkpoint.decide([_found(0, 10, 20), _found(1, 10, 20)], 100) == (20, [], [10, 20])
+    step, notes, committed = checkpoint.decide([_found(0, 10, 20, committed=10),
+                                                _found(1, 10, committed=10)], 100)
+    assert (step, committed) == (10, [10])
+    assert notes == ["worker 0's step 20 (/ckpt/worker0-step00000020.pt) is not held by every "
+                     "worker, so it was never committed: removed"]
     damaged = ("/ckpt/worker1-step00000020.pt", "damaged", "checksum mismatch")
-    step, notes = checkpoint.decide([_found(0, 10, 20, committed=20),
-                                     _found(1, 10, faults=[damaged], committed=20)], 100)
+    step, notes, _ = checkpoint.decide([_found(0, 10, 20, committed=20),
+                                        _found(1, 10, faults=[damaged], committed=20)], 100)
     assert step == 10 and notes[1:] == ["worker 1's /ckpt/worker1-step00000020.pt is damaged "
                                         "(checksum mismatch)",
                                         "step 20 was committed, but not every worker still holds it intact"]
-    assert checkpoint.decide([_found(0), Finding(1, "", {})], 100) == (None, [])
+    assert checkpoint.decide([_found(0), Finding(1, "", {})], 100) == (None, [], [])
+
+
+def test_files_no_worker_can_have_committed_are_passed_over_for_a_fresh_start():
+    """The first save failed on one worker (or one died in it): the others' files were never
+    committed, and no commit record reaches them."""
+    step, notes, committed = checkpoint.decide([_found(0), _found(1, 4)], 100)
+    assert (step, committed) == (None, [])
+    assert notes == ["worker 1's step 4 (/ckpt/worker1-step00000004.pt) is not held by every "
+                     "worker, so it was never committed: removed"]
+    step, _, _ = checkpoint.decide([_found(0, 8, committed=4), _found(1, committed=4)], 100)
+    assert step is None  # step 8 came after the last commit
 
 
 def test_what_cannot_resume_one_job_is_refused_naming_each_worker_and_file():
@@ -155,14 +168,15 @@ def test_what_cannot_resume_one_job_is_refused_naming_each_worker_and_file():
         assert str(err.value).startswith("checkpoints refused on every worker, none trains:")
         return str(err.value)
     assert ("no step is held intact by every worker: worker 0 holds step(s) 20 (/ckpt); worker 1 "
-            "holds none (/ckpt)") in refused([_found(0, 20), _found(1)])
+            "holds none (/ckpt) (step 20 was committed)") in refused([_found(0, 20, committed=20),
+                                                                      _found(1, committed=20)])
     assert "worker 0 holds step(s) 20 (/ckpt); worker 1 has no --checkpoint-dir" in \
-        refused([_found(0, 20), Finding(1, "", {})])
+        refused([_found(0, 20, committed=20), Finding(1, "", {})])
     assert "worker 0 holds step(s) 10, 20 (/ckpt); worker 1 holds step(s) 25" in \
-        refused([_found(0, 10, 20), _found(1, 25)])
+        refused([_found(0, 10, 20, committed=10), _found(1, 25, committed=10)])
     empty = ("/ckpt/worker1-step00000020.pt", "damaged", "empty file (0 bytes)")
     assert "worker 1: /ckpt/worker1-step00000020.pt is damaged: empty file (0 bytes)" in \
-        refused([_found(0, 20), _found(1, faults=[empty])])
+        refused([_found(0, 20), _found(1, faults=[empty])])  # a damaged file may be the commit
     foreign = ("/ckpt/worker1-step00000005.pt", "foreign", "saved by another job: model='mlp' ...")
     assert "worker 1: /ckpt/worker1-step00000005.pt is foreign" in \
         refused([_found(0, 20), _found(1, 20, faults=[foreign])])  # even with a step in common
@@ -171,36 +185,61 @@ def test_what_cannot_resume_one_job_is_refused_naming_each_worker_and_file():
 
 
 @given(st.lists(st.frozensets(st.integers(1, 12), max_size=5), min_size=1, max_size=4),
-       st.integers(1, 14))
-def test_the_decision_is_the_newest_common_step_whatever_each_worker_holds(holdings, total):
-    findings = [_found(rank, *steps) for rank, steps in enumerate(holdings)]
+       st.integers(1, 14), st.none() | st.integers(0, 12))
+def test_the_decision_is_the_newest_common_step_whatever_each_worker_holds(holdings, total, record):
+    findings = [_found(rank, *steps, committed=record) for rank, steps in enumerate(holdings)]
     common = frozenset.intersection(*holdings)
+    held = [s for steps in holdings for s in steps]
     try:
-        step, notes = checkpoint.decide(findings, total)
+        step, notes, committed = checkpoint.decide(findings, total)
     except CheckpointError as exc:
-        assert (not common and any(holdings)) or (common and max(common) >= total), exc
+        assert (common and max(common) >= total) or \
+            (not common and record is not None and record >= min(held)), exc
         return
     assert step == (max(common) if common else None) and (step is None or step < total)
-    assert len(notes) == sum(1 for steps in holdings for s in steps if step is not None and s > step)
+    assert committed == sorted(common)
+    assert len(notes) >= sum(1 for steps in holdings for s in steps if s not in common)
     assert checkpoint.decide(findings[::-1], total)[0] == step  # the order gathered does not matter
+
+
+def _model():
+    model = nn.Linear(3, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def test_a_commit_keeps_the_newest_generations_and_a_failed_one_keeps_them_all(tmp_path, session):
     """One worker (the session's cluster): each commit records itself and keeps ``keep``
-    generations; a write that fails names the worker, the file and the step a rerun resumes from."""
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generations; a write that fails names the worker, the file and the step a rerun resumes
+    from, whatever the record on disk says."""
+    model, opt = _model()
+    checkpoints = checkpoint.Checkpoints(tmp_path, keep=2, committed=[])
     for step in (1, 2, 3):
-        checkpoint.commit(tmp_path, model, opt, step=step, job=JOB, keep=2)
+        checkpoints.commit(model, opt, step=step, job=JOB)
     assert sorted(checkpoint.generations(tmp_path, 0)) == [2, 3]
     assert checkpoint.survey(str(tmp_path), 0, 1, JOB).committed == 3
+    (tmp_path / "worker0.commit").write_text('{"step": 40}')  # stale: another run's
     generation_path(tmp_path, 0, 4).with_suffix(".pt.tmp").mkdir()  # the file cannot be written
     with pytest.raises(CheckpointError, match=rf"the step-4 checkpoint is not committed: worker 0: "
                                               rf"saving to {tmp_path}/worker0-step00000004.pt failed "
                                               rf"\(Is a directory\); the job stops, and a rerun resumes "
                                               rf"from step 3, the last committed"):
-        checkpoint.commit(tmp_path, model, opt, step=4, job=JOB, keep=2)
+        checkpoints.commit(model, opt, step=4, job=JOB)
     assert sorted(checkpoint.generations(tmp_path, 0)) == [2, 3]
+
+
+def test_stray_files_named_like_generations_take_no_slot(tmp_path, session):
+    """A file named like a newer generation (garbage, a directory) is never counted among the
+    kept, so the committed ones stay; a name the job does not write (``step8``) is no step."""
+    model, opt = _model()
+    generation_path(tmp_path, 0, 99).write_text("garbage")
+    (tmp_path / "worker0-step8.pt").write_text("")
+    checkpoints = checkpoint.Checkpoints(tmp_path, keep=1, committed=[])
+    for step in (4, 8, 12):
+        checkpoints.commit(model, opt, step=step, job=JOB)
+    assert sorted(checkpoint.generations(tmp_path, 0)) == [12, 99]
+    assert (tmp_path / "worker0-step8.pt").exists()  # not ours: left alone
+    found = checkpoint.survey(str(tmp_path), 0, 1, JOB)
+    assert list(found.held) == [12] and found.faults[0][:2] == (str(generation_path(tmp_path, 0, 99)), "damaged")
 
 
 # --- the training job on real local clusters --------------------------------------------
@@ -261,7 +300,8 @@ def test_a_step_one_worker_lacks_is_passed_over_for_the_newest_every_worker_hold
     d, result = _resumed(tmp_path, runs, lambda d: _file(d, 1, 8).unlink())
     _same_as_straight(runs, result, 5)
     assert "[worker 0] resuming from step 4, the newest step every worker holds intact\n" \
-           f"[worker 0]   worker 0's step 8 ({_file(d, 0, 8)}) is not held by every worker: removed" \
+           f"[worker 0]   worker 0's step 8 ({_file(d, 0, 8)}) is not held by every worker, so it was " \
+           "never committed: removed" \
            in result.stdout, result.stdout[-3000:]
     assert sorted(checkpoint.generations(d, 1)) == [4, 8]  # written again, and committed
 

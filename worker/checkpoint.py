@@ -75,41 +75,59 @@ def generation_path(directory: str | os.PathLike, rank: int, step: int) -> Path:
 
 
 def generations(directory: str | os.PathLike, rank: int) -> dict[int, Path]:
-    """Worker ``rank``'s checkpoint files in ``directory``, by step."""
+    """Worker ``rank``'s checkpoint files in ``directory``, by step: only names
+    :func:`generation_path` writes (``step8`` beside ``step00000008`` is not a second step 8)."""
     pattern = re.compile(rf"worker{rank}-step(\d+)\.pt")
     found = (pattern.fullmatch(p.name) for p in Path(directory).glob(f"worker{rank}-step*.pt"))
-    return {int(m.group(1)): Path(directory) / m.group(0) for m in found if m}
+    return {int(m.group(1)): Path(directory) / m.group(0) for m in found
+            if m and generation_path(directory, rank, int(m.group(1))).name == m.group(0)}
 
 
-def commit(directory: str | os.PathLike, model: nn.Module, opt: torch.optim.Optimizer, *,
-           step: int, job: dict, keep: int) -> Path:
-    """Write this worker's checkpoint of ``step`` and commit it with every other worker's;
-    keep the newest ``keep`` generations. Every worker calls it at the same steps.
+class Checkpoints:
+    """This worker's checkpoint folder during a run: it writes each generation, commits it
+    with the other workers, and prunes.
 
-    Raises :class:`CheckpointError` on every worker alike when any worker's write failed.
+    ``committed``: the steps every worker holds, as :func:`restore` found them; the same on
+    every worker, so every worker's messages and pruning agree (a record file on disk may
+    be stale or missing). Only committed generations are pruned, and only once a newer one
+    is committed: a stray or damaged file named like a newer generation takes no slot.
 
     Example::
 
-        if (step + 1) % cfg["checkpoint_every"] == 0:
-            checkpoint.commit("ckpt", model, opt, step=step + 1, job=job_identity(cfg), keep=2)
+        start, committed = restore("ckpt", model, opt, cfg, total)
+        checkpoints = Checkpoints("ckpt", keep=2, committed=committed)
+        checkpoints.commit(model, opt, step=20, job=job_identity(cfg))
     """
-    rank, workers = bps.rank(), bps.size()
-    path = generation_path(directory, rank, step)
-    try:
-        write(path, model, opt, {"job": job, "rank": rank, "step": step, "workers": workers})
-        failure = None
-    except OSError as exc:  # the file's temporary copy is gone; the older generations stay
-        failure = f"worker {rank}: saving to {path} failed ({exc.strerror or exc})"
-    failures = [f for f in bps.allgather_object(failure, name="checkpoint.commit") if f]
-    if failures:
-        last = _committed(Path(directory), rank)
-        then = f"step {last}, the last committed" if last is not None else "the start (none committed)"
-        raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
-                              f"the job stops, and a rerun resumes from {then}")
-    _record_commit(Path(directory), rank, step)
-    for old in sorted(generations(directory, rank))[:-keep]:
-        _remove(generation_path(directory, rank, old), "an older generation")
-    return path
+
+    def __init__(self, directory: str | os.PathLike, keep: int, committed: list[int]) -> None:
+        self.directory, self.keep = Path(directory), keep
+        self.committed = sorted(committed)
+
+    def commit(self, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, job: dict) -> Path:
+        """Write this worker's checkpoint of ``step``, commit it with every other worker's and
+        keep the newest ``keep`` committed generations. Every worker calls it at the same
+        steps; :class:`CheckpointError` on every worker alike when any worker's write failed."""
+        rank, workers = bps.rank(), bps.size()
+        path = generation_path(self.directory, rank, step)
+        try:
+            write(path, model, opt, {"job": job, "rank": rank, "step": step, "workers": workers})
+            failure = None
+        except OSError as exc:  # the file's temporary copy is gone; the older generations stay
+            failure = f"worker {rank}: saving to {path} failed ({exc.strerror or exc})"
+        failures = [f for f in bps.allgather_object(failure, name="checkpoint.commit") if f]
+        if failures:
+            then = (f"step {self.committed[-1]}, the last committed" if self.committed
+                    else "the start (none committed)")
+            raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
+                                  f"the job stops, and a rerun resumes from {then}")
+        self.committed.append(step)
+        _record_commit(self.directory, rank, step)
+        kept = set(self.committed[-self.keep:])
+        for old, file in generations(self.directory, rank).items():
+            if old < step and old not in kept:
+                _remove(file, "an older generation")
+        self.committed = sorted(kept)
+        return path
 
 
 def _record_commit(folder: Path, rank: int, step: int) -> None:
@@ -146,8 +164,9 @@ def survey(directory: str | None, rank: int, workers: int, job: dict) -> Finding
     if directory is None:
         return Finding(rank, "", {})
     folder = Path(directory).resolve()
-    for tmp in folder.glob(f"worker{rank}-step*.pt.tmp"):
-        _remove(tmp, "left by an interrupted save")
+    for tmp in [*folder.glob(f"worker{rank}-step*.pt.tmp"), folder / f"worker{rank}.commit.tmp"]:
+        if tmp.is_file():
+            _remove(tmp, "left by an interrupted save")
     held, faults = {}, []
     for step, path in sorted(generations(folder, rank).items()):
         try:
@@ -173,27 +192,43 @@ def _differences(saved: dict, job: dict) -> str:
                      for k in keys if saved.get(k) != job.get(k))
 
 
-def decide(findings: list[Finding], total: int) -> tuple[int | None, list[str]]:
-    """The step every worker resumes from (None: start fresh) and notes on the files passed
-    over, or :class:`CheckpointError`. A function of the gathered findings alone, so every
-    worker decides alike."""
+def decide(findings: list[Finding], total: int) -> tuple[int | None, list[str], list[int]]:
+    """The step every worker resumes from (None: start fresh), notes on the files passed
+    over, and the steps every worker holds (committed), or :class:`CheckpointError`. A
+    function of the gathered findings alone, so every worker decides alike.
+
+    Files that no step has in common are refused, unless none can have been committed (no
+    worker's commit record reaches them: the first save failed, or a worker died in it):
+    then they are passed over and the job starts fresh."""
     problems = [f"worker {f.rank}: {file} is foreign: {why}"
                 for f in findings for file, state, why in f.faults if state == "foreign"]
-    common = set.intersection(*(set(f.held) for f in findings))
+    common = sorted(set.intersection(*(set(f.held) for f in findings)))
     if not problems and common:
-        step = max(common)
+        step = common[-1]
         if step < total:
-            return step, _passed_over(findings, step)
+            return step, _passed_over(findings, common), common
         problems = [f"worker {f.rank}: {f.held[step]} is too late: at step {step}, at or beyond the "
                     f"job's {total} steps: nothing left to train (raise --steps, or remove the "
                     f"checkpoints to start over)" for f in findings]
-    elif not problems and not any(f.held or f.faults for f in findings):
-        return None, []
+    elif not problems and not any(f.faults for f in findings) and _never_committed(findings):
+        return None, _passed_over(findings, []), []
     elif not problems:
         problems = [f"worker {f.rank}: {file} is damaged: {why}" for f in findings for file, _, why in f.faults]
         problems.append("no step is held intact by every worker: " + "; ".join(map(_holding, findings))
-                        + "; restore the missing files, or remove them all to start over")
+                        + _last_commit(findings) + "; restore the missing files, or remove every "
+                        "worker*-step*.pt and worker*.commit file to start over")
     raise CheckpointError(REFUSED + "\n  ".join(problems))
+
+
+def _never_committed(findings: list[Finding]) -> bool:
+    held = [s for f in findings for s in f.held]
+    records = [f.committed for f in findings if f.committed is not None]
+    return not held or not records or max(records) < min(held)
+
+
+def _last_commit(findings: list[Finding]) -> str:
+    records = [f.committed for f in findings if f.committed is not None]
+    return f" (step {max(records)} was committed)" if records else ""
 
 
 def _holding(f: Finding) -> str:
@@ -204,18 +239,20 @@ def _holding(f: Finding) -> str:
     return f"worker {f.rank} holds step(s) {', '.join(map(str, sorted(f.held)))} ({f.folder})"
 
 
-def _passed_over(findings: list[Finding], step: int) -> list[str]:
-    notes = [f"worker {f.rank}'s step {s} ({f.held[s]}) is not held by every worker: removed"
-             for f in findings for s in sorted(f.held) if s > step]
+def _passed_over(findings: list[Finding], common: list[int]) -> list[str]:
+    notes = [f"worker {f.rank}'s step {s} ({f.held[s]}) is not held by every worker, so it was "
+             f"never committed: removed" for f in findings for s in sorted(f.held) if s not in common]
     notes += [f"worker {f.rank}'s {file} is damaged ({why})" for f in findings for file, _, why in f.faults]
+    step = common[-1] if common else -1
     committed = {f.committed for f in findings if f.committed is not None and f.committed > step}
     notes += [f"step {c} was committed, but not every worker still holds it intact" for c in sorted(committed)]
     return notes
 
 
 def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer, cfg: dict,
-            total: int) -> int | None:
-    """Resume every worker from one step, or none: the step to continue from, or None.
+            total: int) -> tuple[int | None, list[int]]:
+    """Resume every worker from one step, or none: the step to continue from (None: start
+    fresh) and the steps every worker holds, for :class:`Checkpoints`.
 
     Every worker calls it at start-up, with or without a checkpoint directory, before the
     first step; it raises :class:`CheckpointError` on every worker alike when they cannot all
@@ -223,23 +260,24 @@ def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer,
 
     Example::
 
-        start = restore(args.checkpoint_dir, model, opt, cfg, total)
+        start, committed = restore(args.checkpoint_dir, model, opt, cfg, total)
         if start is None:
             bps.broadcast_parameters(model.state_dict(), root_rank=0)
     """
     rank, workers = bps.rank(), bps.size()
     mine = survey(directory, rank, workers, job_identity(cfg))
-    step, notes = decide(bps.allgather_object(mine, name="checkpoint.findings"), total)
-    if step is None:
-        return None
-    path = Path(mine.held[step])
-    _check_loaded(path, load_into(path, model, opt), model)
-    for newer in (s for s in mine.held if s > step):
-        _remove(Path(mine.held[newer]), "newer than the step every worker holds")
-    if rank == 0:
-        print(f"resuming from step {step}, the newest step every worker holds intact"
+    step, notes, committed = decide(bps.allgather_object(mine, name="checkpoint.findings"), total)
+    if step is not None:
+        path = Path(mine.held[step])
+        _check_loaded(path, load_into(path, model, opt), model)
+    for held, file in mine.held.items():
+        if held not in committed:
+            _remove(Path(file), "never committed")
+    if rank == 0 and (step is not None or notes):
+        print((f"resuming from step {step}, the newest step every worker holds intact"
+               if step is not None else "starting fresh: no step was ever committed")
               + "".join(f"\n  {note}" for note in notes), flush=True)
-    return step
+    return step, committed
 
 
 def load_into(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> str | None:

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
-from adtopk_ps.client import CollectiveError
+from adtopk_ps.client import CollectiveError, PushPullError
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.env import EnvError
 from adtopk_ps.stop import stop_quietly_on_signals
@@ -121,7 +121,9 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
                                    compression, nonfinite=cfg["nonfinite"])
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
-    start = starting_step(args, model, opt, cfg, total)
+    start, committed = starting_step(args, model, opt, cfg, total)
+    checkpoints = (checkpoint.Checkpoints(args.checkpoint_dir, cfg["checkpoint_keep"], committed)
+                   if args.checkpoint_dir else None)
     base_lr = cfg["optimizer"].get("lr", 0.01)
     log = MetricsLog(cfg["metrics"]) if cfg["metrics"] and rank == 0 else None
     client = bps.client()
@@ -147,9 +149,8 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
                       **traffic(client, opt)}
             record["accuracy"], record["test_loss"] = evaluate(model, data)
             log.append(record)
-        if args.checkpoint_dir and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
-            checkpoint.commit(args.checkpoint_dir, model, opt, step=step + 1,
-                              job=checkpoint.job_identity(cfg), keep=cfg["checkpoint_keep"])
+        if checkpoints and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
+            checkpoints.commit(model, opt, step=step + 1, job=checkpoint.job_identity(cfg))
     bar.close()
     wall = time.perf_counter() - began
     accuracy, test_loss = evaluate(model, data)
@@ -176,15 +177,16 @@ def join(cfg: dict, device: torch.device) -> tuple[int, int]:
     return rank, size
 
 
-def starting_step(args, model: nn.Module, opt: bps.DistributedOptimizer, cfg: dict, total: int) -> int:
-    """The step this run starts at: its checkpoint's, or 0 with worker 0's parameters and
-    optimizer state on every worker."""
-    start = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
+def starting_step(args, model: nn.Module, opt: bps.DistributedOptimizer, cfg: dict,
+                  total: int) -> tuple[int, list[int]]:
+    """The step this run starts at (its checkpoint's, or 0 with worker 0's parameters and
+    optimizer state on every worker) and the steps every worker's checkpoints hold."""
+    start, committed = checkpoint.restore(args.checkpoint_dir, model, opt, cfg, total)
     if start is not None:
-        return start
+        return start, committed
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(opt, root_rank=0)
-    return 0
+    return 0, committed
 
 
 def train_step(model: nn.Module, opt: bps.DistributedOptimizer, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -238,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
                                 bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError,
-                                OutputError)):
+                                OutputError, PushPullError)):
             raise
         print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         mark_failed(f"{type(exc).__name__}: {exc}")

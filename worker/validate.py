@@ -55,13 +55,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _number_hint(value: Any) -> str:
+def _number_hint(value: Any, how: str = "with a dot, e.g. 1.0e-3") -> str:
     """YAML 1.1 reads ``1e-3`` (no dot) as a string; say how to write it."""
     try:
         float(value)
     except (TypeError, ValueError):
         return ""
-    return " (YAML reads this as a string; write it with a dot, e.g. 1.0e-3)" if isinstance(value, str) else ""
+    return f" (YAML reads this as a string; write it {how})" if isinstance(value, str) else ""
 
 
 def integer(minimum: int, optional: bool = False) -> Check:
@@ -71,7 +71,7 @@ def integer(minimum: int, optional: bool = False) -> Check:
             return
         if not _is_int(value) or value < minimum:
             _fail(key, value, f"must be an integer >= {minimum}" + (" or null" if optional else "")
-                  + _number_hint(value))
+                  + _number_hint(value, "in digits, e.g. 2"))
     return check
 
 
