@@ -35,20 +35,22 @@ The budget (the constants below; a miss makes the exit status 1, naming it):
   process and its ptxas, which other work on a shared CI machine does not
   inflate as it does wall time (the JSON has both).
 
-The instruction estimate is static, read from the SASS (``nvdisasm -c``):
-every instruction counts once (straight-line code, both sides of every
-branch, subroutines), except the body of a loop. A loop is a back-edge, a
-branch to an earlier address; its body is the instructions from the branch's
-target through the branch. The back-edge with the longest body is taken as
-the kernel's single loop (the bisection) and its body is counted
-``variant.loop_trips`` times instead of once. Every other back-edge (a second
-loop, or the remainder loop ptxas adds when it unrolls a loop) is counted
-once and flagged in the row's ``loops`` column and after the table. No
-back-edge means the loop was unrolled and the count is exact; a loop that
-ptxas unrolled u times and kept runs u iterations a trip, so its estimate
-is high by that factor, never low. Thread-instructions per useful element
-are ``instructions per warp * warps * 32 / (fb * n)`` for the shortest n
-that uses the variant: its worst case, where most of the tile is padding.
+The instruction estimate is static, read from SASS (``nvdisasm -c``). The
+registers and spills are the real build's; the count comes from a second
+assembly of the same PTX with ptxas told not to unroll the loop (a
+``.pragma "nounroll"`` at each loop header), since ptxas unrolls the bisection
+a few times in the real build and an unrolled body cannot be told from a long
+one. Every instruction counts once (straight-line code, both sides of every
+branch), except the body of a loop: a back-edge, a branch to an earlier
+address, whose body is the instructions from the branch's target through the
+branch. The back-edge with the longest body is the kernel's single loop (the
+bisection) and its body is counted ``variant.loop_trips`` times, its worst
+case (no early exit). Every other back-edge is counted once and flagged in the
+row's ``loops`` column. The rolled loop pays its branch and counter on every
+trip, which the real, unrolled build pays less often: the estimate is an upper
+bound. Thread-instructions per useful element are ``instructions per warp *
+warps * 32 / (fb * n)`` for the shortest n that uses the variant: its worst
+case, where most of the tile is padding.
 
     python benchmarks/kernel_budget.py                  # every variant, exit 1 on a miss
     python benchmarks/kernel_budget.py --quick          # a few representative variants (CI)
@@ -274,16 +276,33 @@ def measure(variant: "fibre_triton.Variant") -> dict:
                               options={"num_warps": variant.warps})
     wall, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
     with tempfile.TemporaryDirectory() as folder:
-        cubin = Path(folder) / "kernel.cubin"
+        cubin, rolled = Path(folder) / "kernel.cubin", Path(folder) / "rolled.cubin"
         cubin.write_bytes(compiled.asm["cubin"])
         usage = parse_res_usage(tool("cuobjdump", "-res-usage", cubin))
-        listing = tool("nvdisasm", "-c", cubin)
+        (Path(folder) / "rolled.ptx").write_text(rolled_ptx(compiled.asm["ptx"]))
+        tool("ptxas-blackwell", f"-arch=sm_{TARGET[1]}a", Path(folder) / "rolled.ptx", "-o", rolled)
+        listing = tool("nvdisasm", "-c", rolled)
     resources = usage.get(compiled.metadata.name) or next(iter(usage.values()))
     instructions, loops = parse_sass(listing)
     return {"registers": resources["REG"], "stack": resources["STACK"],
             "local": resources.get("LOCAL", 0), "shared": compiled.metadata.shared,
             "estimate": estimate(instructions, loops, variant.loop_trips), "compile_s": cpu,
             "wall_s": wall}
+
+
+_LOOP_HEADER = re.compile(r"^(\$L__BB\d+_\d+):(\s*//\s*=>This Inner Loop Header.*)$", re.M)
+
+
+def rolled_ptx(ptx: str) -> str:
+    """``ptx`` with a ``nounroll`` pragma at every loop header (LLVM marks them in a comment),
+    so that ptxas assembles each loop's body once.
+
+    Example::
+
+        rolled_ptx("$L__BB0_7:   // =>This Inner Loop Header: Depth=1\n")
+        # '$L__BB0_7:   // =>This Inner Loop Header: Depth=1\n\t.pragma "nounroll";\n'
+    """
+    return _LOOP_HEADER.sub(lambda m: f'{m.group(0)}\n\t.pragma "nounroll";', ptx)
 
 
 def _cpu_seconds() -> float:

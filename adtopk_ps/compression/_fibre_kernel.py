@@ -75,6 +75,16 @@ def _slots(key, kth, k):
 
 
 @triton.jit
+def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr):
+    """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; where
+    ``CONTIG`` (the host checked: adjacent, 16-byte aligned, n a multiple of 4) four at a time."""
+    if CONTIG:
+        ptrs = tl.multiple_of(fibre, 16)[:, None] + pos
+        return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 4])
+    return fibre[:, None] + pos * stride.to(tl.int32)
+
+
+@triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
            CONTIG: tl.constexpr, W: tl.constexpr):
@@ -90,37 +100,31 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     sxa, sxn, sxr = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
     first = tl.load(row + 14)
 
-    k = k.to(tl.int32)
-    f = (pid - first) * FB + tl.arange(0, FB).to(tl.int64)
-    a, j = f // R, f % R
+    k, R = k.to(tl.int32), R.to(tl.int32)
+    f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
+    a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
     pos = tl.arange(0, BN)[None, :]
     if CONTIG:
         n = tl.multiple_of(n, 4)
     valid = (f < fibres)[:, None] & (pos < n)
-    # a fibre's base in 64 bits, a position's offset in 32 (the host checks it fits)
-    if CONTIG:  # the host checked: adjacent, 16-byte aligned fibres, n a multiple of 4
-        x_ptrs = x_ptr + tl.multiple_of(a * sxa + j * sxr, 4)[:, None] + pos
-        x_ptrs = tl.max_contiguous(tl.multiple_of(x_ptrs, [1, 16]), [1, 4])
-    else:
-        x_ptrs = x_ptr + (a * sxa + j * sxr)[:, None] + pos * sxn.to(tl.int32)
+    # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
+    x_ptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, pos, sxn, CONTIG)
     x = tl.load(x_ptrs, mask=valid, other=0.0)
     if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-        if CONTIG:
-            g_ptrs = g_ptr + tl.multiple_of(a * sga + j * sgr, 4)[:, None] + pos
-            g_ptrs = tl.max_contiguous(tl.multiple_of(g_ptrs, [1, 16]), [1, 4])
-        else:
-            g_ptrs = g_ptr + (a * sga + j * sgr)[:, None] + pos * sgn.to(tl.int32)
+        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, CONTIG)
         x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
         tl.store(x_ptrs, x, mask=valid)
     key = _key(x, valid, BITS, INF_KEY)
 
     selected, slot = _slots(key, _kth_key(key, k, FB, BN, BITS), k)
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
-    out_at = (a * k * R + j)[:, None] + slot * R.to(tl.int32)
-    tl.store(v_ptr + out_at, chosen, mask=selected)
-    tl.store(i_ptr + out_at, pos.to(IDT), mask=selected)
+    out = a * k * R + j  # each fibre's first output; its t-th is R further on
+    at = slot * R
+    tl.store((v_ptr + out)[:, None] + at, chosen, mask=selected)
+    tl.store((i_ptr + out)[:, None] + at, pos.to(IDT), mask=selected)
     if FEEDBACK:  # what was sent leaves the residual exactly
         tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
-    bad = tl.sum(tl.sum((selected & (key >= INF_KEY)).to(tl.int32), 1), 0)
-    tl.store(flags + pid, (bad > 0).to(tl.uint8))
+    # the largest key is always selected (k >= 1)
+    bad = tl.max(tl.max(key, 1), 0) >= INF_KEY
+    tl.store(flags + pid, bad.to(tl.uint8))
