@@ -85,9 +85,25 @@ def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr):
 
 
 @triton.jit
+def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
+    """A predicated store of the low ``WIDTH`` bits of each of ``bits`` (int32) to ``ptrs``,
+    in the tile's own layout. ``tl.store`` would first move pointers, values and mask to a
+    layout of one entry a thread, through shared memory, which costs more than the few
+    stores themselves. The interpreter runs no PTX: the kernel uses ``tl.store`` there."""
+    if WIDTH == 32:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }"
+    elif WIDTH == 16:
+        asm: tl.constexpr = "{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.u16.u32 h, $2; @p st.global.b16 [$1], h; mov.b32 $0, 0; }"
+    else:
+        asm: tl.constexpr = "{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.u16.u32 h, $2; @p st.global.b8 [$1], h; mov.b32 $0, 0; }"
+    tl.inline_asm_elementwise(asm, "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), bits, mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           CONTIG: tl.constexpr, W: tl.constexpr):
+           CONTIG: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
     """One tile of fibres: compensate, select each fibre's top k, write values and positions,
     update the residual (see the module docstring and fibre_triton.py)."""
     pid = tl.program_id(0)
@@ -121,8 +137,16 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
     out = a * k * R + j  # each fibre's first output; its t-th is R further on
     at = slot * R
-    tl.store((v_ptr + out)[:, None] + at, chosen, mask=selected)
-    tl.store((i_ptr + out)[:, None] + at, pos.to(IDT), mask=selected)
+    if ASM:
+        if BITS == 31:
+            _scatter((v_ptr + out)[:, None] + at, chosen.to(tl.int32, bitcast=True), selected, 32)
+        else:
+            _scatter((v_ptr + out)[:, None] + at, chosen.to(tl.int16, bitcast=True).to(tl.int32),
+                     selected, 16)
+        _scatter((i_ptr + out)[:, None] + at, pos, selected, IDT.primitive_bitwidth)
+    else:
+        tl.store((v_ptr + out)[:, None] + at, chosen, mask=selected)
+        tl.store((i_ptr + out)[:, None] + at, pos.to(IDT), mask=selected)
     if FEEDBACK:  # what was sent leaves the residual exactly
         tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
     # the largest key is always selected (k >= 1)

@@ -104,7 +104,8 @@ class Variant:
         tl = _tl()
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=fb or self.fb,
-                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, W=_COLUMNS)
+                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, ASM=not interpreted(),
+                    W=_COLUMNS)
 
 
 def _tl():
