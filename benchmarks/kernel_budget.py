@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -106,6 +107,7 @@ class Use:
     tensor: str
     n: int
     k: int
+    fibres: int = 1  # fibres of the tensor: its programs are fibres / fb, rounded up
 
 
 @dataclass(frozen=True)
@@ -359,11 +361,12 @@ def collect(sets: list[str], dtypes: list[str], feedbacks: tuple[bool, ...]
         dtype = DTYPES[dtype_name]
         for where in sets:
             for tensor, shape, ratio in sparse_tensors(where, dtype):
-                n = fibres.view_of(shape)[1]
-                k = fibre_k(n, ratio)
+                view = fibres.view_of(shape)
+                n, k = view[1], fibre_k(view[1], ratio)
+                adjacent = math.prod(view[2:]) == 1 and n % 4 == 0  # as torch allocates it
                 for feedback in feedbacks:
-                    variant = fibre_triton.variant(n, k, dtype, feedback)
-                    use = Use(where, tensor, n, k)
+                    variant = fibre_triton.variant(n, k, dtype, feedback, adjacent)
+                    use = Use(where, tensor, n, k, view[0] * math.prod(view[2:]))
                     if variant is None:
                         fallbacks.setdefault((dtype_name, feedback, n, k), []).append(use)
                     else:
@@ -499,7 +502,7 @@ def _report(rows: list[Row], fallbacks: dict) -> int:
     """The fallbacks, flagged loops and misses after the table; 1 where any variant missed."""
     for (dtype, feedback, n, k), uses in sorted(fallbacks.items()):
         print(f"falls back ({dtype}, {'with' if feedback else 'without'} feedback, n={n}, k={k}): "
-              f"{_used_by(uses)}; fibre_triton.variant() is None and gives no reason")
+              f"{_used_by(uses)}: {fibre_triton.refusal(torch.empty(1, n, device='meta'))}")
     for row in rows:
         for loop in row.estimate.flagged if row.estimate else ():
             print(f"flagged loop in {_name_of(row)}: {loop.size} instructions at "
@@ -510,6 +513,40 @@ def _report(rows: list[Row], fallbacks: dict) -> int:
     print(f"{len(rows)} variants, {len(missed)} over budget, "
           f"{sum(len(u) for u in fallbacks.values())} tensor uses fall back")
     return 1 if missed else 0
+
+
+# the H200 as the prediction models it: SMs, warp instructions each issues a cycle (one per
+# scheduler), boost clock, and the bandwidth a whole-tensor read reaches (its spec sheet's
+# 4.8 TB/s less the share a streaming read loses)
+SMS, ISSUE_PER_SM, CLOCK_HZ, BANDWIDTH = 132, 4, 1.98e9, 4.3e12
+STALLS = (1.5, 3.0)  # issue slots lost to dependencies and memory, from best to poor
+
+
+def predict(rows: list[Row]) -> list[str]:
+    """Each gradient set's predicted kernel time, from the budget's instruction counts: every
+    program's thread-instructions at the H200's issue rate, times ``STALLS``, and never
+    below the memory its tensors need at ``BANDWIDTH`` (read the gradient and, with error
+    feedback, read and write the residual). Lines of ``set dtype ef: ms``."""
+    totals: dict[tuple[str, str, bool], list[float]] = {}
+    for row in rows:
+        if row.estimate is None:
+            continue
+        per_program = row.estimate.per_warp * row.warps * TARGET[2]
+        for use in row.uses:
+            if use.where not in BENCHMARK_SETS:
+                continue
+            t = totals.setdefault((use.where, row.dtype, row.feedback), [0.0, 0.0])
+            t[0] += per_program * -(-use.fibres // row.fb)
+            t[1] += use.n * use.fibres * DTYPES[row.dtype].itemsize * (3 if row.feedback else 1)
+    rate = SMS * ISSUE_PER_SM * CLOCK_HZ * TARGET[2]  # thread-instructions a second
+    lines = []
+    for (where, dtype, feedback), (instructions, nbytes) in sorted(totals.items()):
+        memory = nbytes / BANDWIDTH
+        low, high = (max(instructions * s / rate, memory) * 1e3 for s in STALLS)
+        lines.append(f"predicted {where} {dtype} {'with' if feedback else 'without'} feedback: "
+                     f"{low:.2f}-{high:.2f} ms (issue {instructions / rate * 1e3:.2f} ms, "
+                     f"memory {memory * 1e3:.2f} ms)")
+    return lines
 
 
 def _to_json(rows: list[Row], fallbacks: dict) -> dict:
@@ -563,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
             order = sorted(variants, key=lambda v: -v.bn * v.fb)
             rows = _compile_all({pool.submit(measure, v): _row_of(v, variants[v]) for v in order})
     status = _report(rows, fallbacks)
+    for line in predict(rows):
+        print(line)
     if args.json:
         args.json.write_text(json.dumps(_to_json(rows, fallbacks), indent=1))
     return status
