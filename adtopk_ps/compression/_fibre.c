@@ -9,7 +9,13 @@
  *
  * The torch kernels this replaces (a scoring pass, two selections and their
  * gathers) allocate and read the tensor several times.
- * Positions are written as int64 into out[a, t, j] (t < k, unordered).
+ *
+ * What is selected is fixed down to the last tie, so that the CUDA kernel (fibre_triton.py)
+ * writes the same payload: the k entries of largest |x| (a NaN counts as an infinity), of
+ * equal |x| the lower positions first, written as int64 into out[a, 0..k-1, j] in ascending
+ * position (an order a GPU gets for free, where a search's scan order would cost it a sort).
+ * Candidates enter the buffer in position order and its compaction keeps their order, so
+ * the first of the tied are the lowest positions and the positions come out sorted.
  * fibre_topk_feedback also does error feedback's compensation and update in
  * the same pass (see select_all).
  *
@@ -32,9 +38,10 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 
 typedef struct {
     float *value;   /* |x| of a candidate */
-    int64_t *pos;   /* its position in the fibre */
+    int64_t *pos;   /* its position in the fibre, ascending along the buffer */
     float *scratch; /* a copy of value (or of maxima) for the selection */
     float *maxima;  /* the largest |x| of each group of the fibre */
+    Py_ssize_t *chosen; /* the groups read again (fewer than k) */
     Py_ssize_t k, size, cap;
 } Candidates;
 
@@ -79,8 +86,8 @@ static float kth_largest(float *v, float *tmp, Py_ssize_t size, Py_ssize_t k)
     return v[want];
 }
 
-/* Keep the k largest candidates (ties at the k-th broken by position); returns the
- * smallest value kept, the threshold later entries must beat. */
+/* Keep the k largest candidates, in their order (ties at the k-th go to the first, the lower
+ * positions); returns the smallest value kept, the threshold later entries must beat. */
 static float keep_largest(Candidates *c)
 {
     memcpy(c->scratch, c->value, sizeof(float) * (size_t)c->size);
@@ -100,7 +107,9 @@ static float keep_largest(Candidates *c)
     return least;
 }
 
-/* NaN counts as the largest magnitude, as in torch.topk, so it is never silently dropped */
+/* Candidates come in position order, so an entry equal to the threshold comes after every
+ * kept entry it ties with, and loses to them. NaN counts as the largest magnitude, so that
+ * it is never silently dropped. */
 static inline void add(Candidates *c, float v, int64_t pos, float *threshold)
 {
     if (v <= *threshold)
@@ -185,12 +194,22 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
     return !(nan[0] | nan[1] | nan[2] | nan[3] | nan_tail);
 }
 
-/* The k largest |x| of one contiguous fibre of length n, positions into out.
+/* Positions a[0..na) and b[0..nb), each ascending, into out in ascending order */
+static void merge_into(const int64_t *a, Py_ssize_t na, const int64_t *b, Py_ssize_t nb,
+                       int64_t *out, Py_ssize_t out_stride)
+{
+    Py_ssize_t i = 0, j = 0;
+    for (Py_ssize_t t = 0; t < na + nb; t++)
+        out[t * out_stride] = j == nb || (i < na && a[i] < b[j]) ? a[i++] : b[j++];
+}
+
+/* The k largest |x| of one contiguous fibre of length n, positions into out (ascending).
  *
  * A group whose largest |x| is below the k-th largest group maximum t holds none of the
  * top k: at least k groups reach t, so at least k entries do. One vectorised pass finds
- * the group maxima and t, and only the groups reaching t (about k of them, still in
- * cache) are read again, entry by entry. */
+ * the group maxima and t, and only the groups above t (fewer than k of them, still in
+ * cache) are read again, entry by entry: a row of the groups at a time, which keeps the
+ * candidates in position order. */
 static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *out,
                          Py_ssize_t out_stride)
 {
@@ -202,26 +221,28 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
         t = kth_largest(c->scratch, c->scratch + m, m, c->k);
         threshold = t;  /* entries above t first; ties at t fill in below */
-        for (Py_ssize_t j = 0; j < m; j++)
-            if (c->maxima[j] > t)
-                for (Py_ssize_t i = j; i < g * m; i += m)
-                    add(c, fabsf(x[i]), i, &threshold);
+        Py_ssize_t groups = 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            c->chosen[groups] = j;
+            groups += c->maxima[j] > t;
+        }
+        for (Py_ssize_t row = 0; row < g * m; row += m)
+            for (Py_ssize_t q = 0; q < groups; q++)
+                add(c, fabsf(x[row + c->chosen[q]]), row + c->chosen[q], &threshold);
         start = m * g;  /* what fills no group is always read */
     }
     for (Py_ssize_t i = start; i < n; i++)
         add(c, fabsf(x[i]), i, &threshold);
-    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
-     * position. Reading them one by one as candidates cost a buffer compaction per 3k
-     * entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
-    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
-        if (fabsf(x[i]) == t) {
-            c->value[c->size] = t;
-            c->pos[c->size++] = i;
-        }
     if (c->size > c->k)
         keep_largest(c);
-    for (Py_ssize_t t = 0; t < c->k; t++)
-        out[t * out_stride] = c->pos[t];
+    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
+     * position, merged in. Reading them one by one as candidates cost a buffer compaction
+     * per 3k entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
+    Py_ssize_t above = c->size;
+    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
+        if (fabsf(x[i]) == t)
+            c->pos[c->size++] = i;
+    merge_into(c->pos, above, c->pos + above, c->size - above, out, out_stride);
 }
 
 #define SMALL_K 2  /* k = 3 and 4 measured slower streamed than searched */
@@ -369,8 +390,9 @@ static inline Py_ssize_t keep_row(const float *values, int64_t *rows, Py_ssize_t
 
 /* select_all for k <= SMALL_K, a slab at a time (error feedback's x += grad first): its
  * `rest` fibres lie side by side, and are streamed in place from 4 of them up (fewer are
- * copied into 4 lanes, the padding streamed and ignored). Positions go to out and, with
- * values, the selected entries to values and then to zero. */
+ * copied into 4 lanes, the padding streamed and ignored). Positions go to out in ascending
+ * order (streaming finds them largest first) and, with values, the selected entries to
+ * values and then to zero. */
 static Py_ssize_t select_small(float *x, const float *grad, float *values, Py_ssize_t lead,
                                Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes,
                                int32_t *at, int64_t *out, int64_t *rows)
@@ -396,8 +418,9 @@ static Py_ssize_t select_small(float *x, const float *grad, float *values, Py_ss
             select_row(slab, n, k, at);
         }
         for (Py_ssize_t j = 0; j < rest; j++) {
+            Py_ssize_t swap = k == 2 && at[j] > at[w + j];  /* t ^ swap: the t-th by position */
             for (Py_ssize_t t = 0; t < k; t++) {
-                int64_t pos = at[t * w + j];
+                int64_t pos = at[(t ^ swap) * w + j];
                 Py_ssize_t o = written * k * rest + t * rest + j;
                 out[o] = pos;
                 if (values != NULL) {
@@ -478,15 +501,17 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         free(at);
         return result;
     }
-    Candidates c = {NULL, NULL, NULL, NULL, k, 0, 4 * k};
+    Candidates c = {NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
     size_t groups = (size_t)(n / 4) + 1;  /* at most this many maxima */
     c.value = malloc(sizeof(float) * (size_t)c.cap);
     c.scratch = malloc(2 * sizeof(float) * (groups > (size_t)c.cap ? groups : (size_t)c.cap));
     c.maxima = malloc(sizeof(float) * groups);
     c.pos = malloc(sizeof(int64_t) * (size_t)c.cap);
+    c.chosen = malloc(sizeof(Py_ssize_t) * (size_t)k);
     float *fibre = rest > 1 ? malloc(sizeof(float) * (size_t)n) : NULL;
     PyObject *result = NULL;
-    if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL || (rest > 1 && fibre == NULL)) {
+    if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL ||
+            c.chosen == NULL || (rest > 1 && fibre == NULL)) {
         PyErr_NoMemory();
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -498,6 +523,7 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     free(c.scratch);
     free(c.maxima);
     free(c.pos);
+    free(c.chosen);
     free(fibre);
     return result;
 }
@@ -529,7 +555,9 @@ static PyObject *fibre_topk_feedback(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"fibre_topk", fibre_topk, METH_VARARGS,
      "fibre_topk(x_ptr, lead, n, rest, k, out_ptr): positions of the k largest |x| "
-     "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]."},
+     "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]: "
+     "NaN counts as an infinity, of equal |x| the lower positions are taken, and each fibre's "
+     "positions are written in ascending order."},
     {"fibre_topk_feedback", fibre_topk_feedback, METH_VARARGS,
      "fibre_topk_feedback(r_ptr, g_ptr, lead, n, rest, k, out_ptr, values_ptr, rows_ptr): r += g, "
      "then fibre_topk of r; the selected entries of r go to values [lead, k, rest] and become 0. "
