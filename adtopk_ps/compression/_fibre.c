@@ -5,7 +5,8 @@
  * strided group of entries; the k-th largest group maximum bounds the k-th
  * largest entry from below, so only the groups reaching it are read again,
  * into a candidate buffer of 4k that a branch-free quickselect compacts.
- * Short fibres and fibres holding a NaN stream every entry through the buffer.
+ * Fibres too short for 4k groups of 4 are selected whole by a quickselect; fibres
+ * holding a NaN stream every entry through the buffer.
  *
  * The torch kernels this replaces (a scoring pass, two selections and their
  * gathers) allocate and read the tensor several times.
@@ -13,7 +14,7 @@
  * What is selected is fixed down to the last tie, so that the CUDA kernel (fibre_triton.py)
  * writes the same payload: the k entries of largest |x| (a NaN counts as an infinity), of
  * equal |x| the lower positions first, written as int64 into out[a, 0..k-1, j] in ascending
- * position (an order a GPU gets for free, where a search's scan order would cost it a sort).
+ * position (an order the GPU kernel can write as cheaply, unlike this search's scan order).
  * Candidates enter the buffer in position order and its compaction keeps their order, so
  * the first of the tied are the lowest positions and the positions come out sorted.
  * fibre_topk_feedback also does error feedback's compensation and update in
@@ -44,6 +45,14 @@ typedef struct {
     Py_ssize_t *chosen; /* the groups read again (fewer than k) */
     Py_ssize_t k, size, cap;
 } Candidates;
+
+/* |v|, a NaN's as an infinity: NaN counts as the largest magnitude, so that a selection
+ * never silently drops one */
+static inline float magnitude(float v)
+{
+    v = fabsf(v);
+    return v != v ? INFINITY : v;
+}
 
 /* The k-th largest of v[0..size) (1 <= k <= size), using tmp (size floats); both are
  * overwritten. Partitions are branch-free (every entry is written to both ends, and only
@@ -203,6 +212,27 @@ static void merge_into(const int64_t *a, Py_ssize_t na, const int64_t *b, Py_ssi
         out[t * out_stride] = j == nb || (i < na && a[i] < b[j]) ? a[i++] : b[j++];
 }
 
+/* The k largest |x| of a fibre with no groups to search (k above n / 16), positions into
+ * out (ascending): the k-th largest |x| t by a quickselect over a copy (scratch: 2n floats),
+ * then one pass in position order takes every entry above t and the first of those equal
+ * to it. Streaming every entry through the candidates measured slower, at a compaction per
+ * 3k entries. */
+static void select_whole(const float *x, Py_ssize_t n, Py_ssize_t k, float *scratch,
+                         int64_t *out, Py_ssize_t out_stride)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        scratch[i] = magnitude(x[i]);
+    float t = kth_largest(scratch, scratch + n, n, k);
+    Py_ssize_t ties = k;
+    for (Py_ssize_t i = 0; i < n; i++)
+        ties -= magnitude(x[i]) > t;
+    for (Py_ssize_t i = 0, w = 0; w < k; i++) {
+        float v = magnitude(x[i]);
+        if (v > t || (v == t && ties-- > 0))
+            out[w++ * out_stride] = i;
+    }
+}
+
 /* The k largest |x| of one contiguous fibre of length n, positions into out (ascending).
  *
  * A group whose largest |x| is below the k-th largest group maximum t holds none of the
@@ -214,10 +244,14 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
                          Py_ssize_t out_stride)
 {
     Py_ssize_t g = group_size(n, c->k), m = g ? n / g : 0, start = 0;
+    if (!g) {
+        select_whole(x, n, c->k, c->scratch, out, out_stride);
+        return;
+    }
     float threshold = -1.0f;  /* below every |x|: every entry is a candidate */
     float t = -1.0f;
     c->size = 0;
-    if (g && group_maxima(x, m, g, c->maxima)) {
+    if (group_maxima(x, m, g, c->maxima)) {  /* else a NaN: every entry streams through */
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
         t = kth_largest(c->scratch, c->scratch + m, m, c->k);
         threshold = t;  /* entries above t first; ties at t fill in below */
@@ -325,12 +359,6 @@ static void stream(const float *src, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t
         stream_k(src, n, stride, lanes, 1, at);
     else
         stream_k(src, n, stride, lanes, 2, at);
-}
-
-static inline float magnitude(float v)
-{
-    v = fabsf(v);
-    return v != v ? INFINITY : v;
 }
 
 /* The k largest |x| of one contiguous fibre. Its entries i = 4q + l form 4 strided fibres
@@ -503,8 +531,10 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     }
     Candidates c = {NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
     size_t groups = (size_t)(n / 4) + 1;  /* at most this many maxima */
+    /* the group maxima or the candidates, or a whole fibre where it has no groups */
+    size_t scratch = group_size(n, k) ? groups : (size_t)n;
     c.value = malloc(sizeof(float) * (size_t)c.cap);
-    c.scratch = malloc(2 * sizeof(float) * (groups > (size_t)c.cap ? groups : (size_t)c.cap));
+    c.scratch = malloc(2 * sizeof(float) * (scratch > (size_t)c.cap ? scratch : (size_t)c.cap));
     c.maxima = malloc(sizeof(float) * groups);
     c.pos = malloc(sizeof(int64_t) * (size_t)c.cap);
     c.chosen = malloc(sizeof(Py_ssize_t) * (size_t)k);
