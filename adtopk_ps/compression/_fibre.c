@@ -3,8 +3,9 @@
  * A tensor viewed as [lead, n, rest] has lead * rest fibres x[a, :, j] of
  * length n. For each fibre one vectorised pass finds the largest |x| of each
  * strided group of entries; the k-th largest group maximum bounds the k-th
- * largest entry from below, so only the groups reaching it are read again,
- * into a candidate buffer of 4k that a branch-free quickselect compacts.
+ * largest entry from below, so only the groups above it are read again (the
+ * entries equal to it fill in after), into a candidate buffer of 4k that a
+ * branch-free quickselect compacts.
  * Fibres too short for 4k groups of 4 are selected whole by a quickselect; fibres
  * holding a NaN stream every entry through the buffer.
  *
@@ -530,14 +531,17 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         return result;
     }
     Candidates c = {NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
-    size_t groups = (size_t)(n / 4) + 1;  /* at most this many maxima */
-    /* the group maxima or the candidates, or a whole fibre where it has no groups */
-    size_t scratch = group_size(n, k) ? groups : (size_t)n;
-    c.value = malloc(sizeof(float) * (size_t)c.cap);
-    c.scratch = malloc(2 * sizeof(float) * (scratch > (size_t)c.cap ? scratch : (size_t)c.cap));
+    /* Fibres with groups need the candidates and at most n / 4 + 1 maxima; fibres without
+     * (k above n / 16) only a copy of one fibre to select in (select_whole), where
+     * candidates for every k would take several times the tensor's size. */
+    size_t grouped = group_size(n, k) != 0, cap = grouped ? (size_t)c.cap : 1;
+    size_t groups = grouped ? (size_t)(n / 4) + 1 : 1;
+    size_t scratch = grouped ? (groups > cap ? groups : cap) : (size_t)n;
+    c.value = malloc(sizeof(float) * cap);
+    c.scratch = malloc(2 * sizeof(float) * scratch);
     c.maxima = malloc(sizeof(float) * groups);
-    c.pos = malloc(sizeof(int64_t) * (size_t)c.cap);
-    c.chosen = malloc(sizeof(Py_ssize_t) * (size_t)k);
+    c.pos = malloc(sizeof(int64_t) * cap);
+    c.chosen = malloc(sizeof(Py_ssize_t) * (grouped ? (size_t)k : 1));
     float *fibre = rest > 1 ? malloc(sizeof(float) * (size_t)n) : NULL;
     PyObject *result = NULL;
     if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL ||
