@@ -45,43 +45,44 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr):
+def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, AX: tl.constexpr):
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
-    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs."""
+    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs. ``AX``: the
+    tile's position axis."""
     kth = tl.zeros([FB], dtype=tl.int32)
     for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
         cand = kth | (1 << (BITS - 1 - i))
         # (key - cand) >> 31 is -1 below cand and 0 from it (keys and cand are below 2**31):
         # a subtract and a shifted add an entry, where a compare's 0/1 costs more
-        below = -tl.sum((key - cand[:, None]) >> 31, 1)
+        below = -tl.sum((key - tl.expand_dims(cand, AX)) >> 31, AX)
         kth = tl.where(BN - below >= k, cand, kth)
     return kth
 
 
 @triton.jit
-def _slots(key, kth, k):
+def _slots(key, kth, k, AX: tl.constexpr):
     """(selected, slot): the entries above ``kth`` and, of those equal to it, the first by
     position until k are taken; a selected entry's slot is how many selected entries come
     before it, so slots follow positions."""
-    above = key > kth[:, None]
-    equal = key == kth[:, None]
-    packed = above.to(tl.int32) + (equal.to(tl.int32) << 16)
-    before = tl.cumsum(packed, 1) - packed
-    need = k - tl.sum(above.to(tl.int32), 1)
+    d = key - tl.expand_dims(kth, AX)  # the key is not needed after this: its registers are free
+    packed = tl.where(d > 0, 1, tl.where(d == 0, 1 << 16, 0))
+    before = tl.cumsum(packed, AX) - packed
+    need = tl.expand_dims(k - (tl.sum(packed, AX) & 0xFFFF), AX)
     equal_before = before >> 16
-    selected = above | (equal & (equal_before < need[:, None]))
-    slot = (before & 0xFFFF) + tl.minimum(equal_before, need[:, None])
+    selected = (packed == 1) | ((packed != 0) & (equal_before < need))
+    slot = (before & 0xFFFF) + tl.minimum(equal_before, need)
     return selected, slot
 
 
 @triton.jit
-def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr):
+def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr, AX: tl.constexpr):
     """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; where
-    ``CONTIG`` (the host checked: adjacent, 16-byte aligned, n a multiple of 4) four at a time."""
+    ``CONTIG`` (the host checked: adjacent, 16-byte aligned, n a multiple of 4; AX 1) four at
+    a time."""
     if CONTIG:
         ptrs = tl.multiple_of(fibre, 16)[:, None] + pos
         return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 4])
-    return fibre[:, None] + pos * stride.to(tl.int32)
+    return tl.expand_dims(fibre, AX) + pos * stride.to(tl.int32)
 
 
 @triton.jit
@@ -103,9 +104,11 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           CONTIG: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
+           CONTIG: tl.constexpr, AX: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
     """One tile of fibres: compensate, select each fibre's top k, write values and positions,
-    update the residual (see the module docstring and fibre_triton.py)."""
+    update the residual (see the module docstring and fibre_triton.py). ``AX``: the tile's
+    position axis, 1 ([fibre, position]) or 0 ([position, fibre]: strided fibres, whose
+    neighbours in memory are other fibres, so that a thread runs along one fibre)."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
@@ -119,36 +122,35 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     k, R = k.to(tl.int32), R.to(tl.int32)
     f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
     a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
-    pos = tl.arange(0, BN)[None, :]
+    pos = tl.expand_dims(tl.arange(0, BN), 1 - AX)
     if CONTIG:
         n = tl.multiple_of(n, 4)
-    valid = (f < fibres)[:, None] & (pos < n)
+    valid = tl.expand_dims(f < fibres, AX) & (pos < n)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
-    x_ptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, pos, sxn, CONTIG)
+    x_ptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, pos, sxn, CONTIG, AX)
     x = tl.load(x_ptrs, mask=valid, other=0.0)
     if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, CONTIG)
+        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, CONTIG, AX)
         x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
         tl.store(x_ptrs, x, mask=valid)
     key = _key(x, valid, BITS, INF_KEY)
+    bad = tl.max(tl.max(key, 1), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    selected, slot = _slots(key, _kth_key(key, k, FB, BN, BITS), k)
+    selected, slot = _slots(key, _kth_key(key, k, FB, BN, BITS, AX), k, AX)
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
     out = a * k * R + j  # each fibre's first output; its t-th is R further on
     at = slot * R
+    v_out, i_out = tl.expand_dims(v_ptr + out, AX) + at, tl.expand_dims(i_ptr + out, AX) + at
     if ASM:
         if BITS == 31:
-            _scatter((v_ptr + out)[:, None] + at, chosen.to(tl.int32, bitcast=True), selected, 32)
+            _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
         else:
-            _scatter((v_ptr + out)[:, None] + at, chosen.to(tl.int16, bitcast=True).to(tl.int32),
-                     selected, 16)
-        _scatter((i_ptr + out)[:, None] + at, pos, selected, IDT.primitive_bitwidth)
+            _scatter(v_out, chosen.to(tl.int16, bitcast=True).to(tl.int32), selected, 16)
+        _scatter(i_out, pos + tl.zeros_like(slot), selected, IDT.primitive_bitwidth)
     else:
-        tl.store((v_ptr + out)[:, None] + at, chosen, mask=selected)
-        tl.store((i_ptr + out)[:, None] + at, pos.to(IDT), mask=selected)
+        tl.store(v_out, chosen, mask=selected)
+        tl.store(i_out, (pos + tl.zeros_like(slot)).to(IDT), mask=selected)
     if FEEDBACK:  # what was sent leaves the residual exactly
         tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
-    # the largest key is always selected (k >= 1)
-    bad = tl.max(tl.max(key, 1), 0) >= INF_KEY
     tl.store(flags + pid, bad.to(tl.uint8))

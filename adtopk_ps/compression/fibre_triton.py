@@ -47,6 +47,7 @@ MAX_N = 32768
 # keys each thread holds: a tile is 32 of them per thread of its warps
 _PER_THREAD = 16
 _MIN_WARPS, _MAX_WARPS = 4, 32
+_STRIDED_TILE = 4096  # entries of a strided variant's tile (its fibres side by side)
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program
@@ -95,6 +96,13 @@ class Variant:
     contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
 
     @property
+    def transposed(self) -> bool:
+        """Whether the tile is [position, fibre]: for strided fibres, whose neighbours in
+        memory are other fibres, so that a warp reads them side by side and a thread runs
+        along one fibre (its sums and scan stay in the thread)."""
+        return not self.contiguous
+
+    @property
     def loop_trips(self) -> int:
         """How many times the kernel's one loop, the bisection over the key's bits, runs."""
         return _BITS[self.dtype]
@@ -104,7 +112,8 @@ class Variant:
         tl = _tl()
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=fb or self.fb,
-                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, ASM=not interpreted(),
+                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
+                    ASM=not interpreted(),
                     W=_COLUMNS)
 
 
@@ -124,8 +133,11 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
     if dtype not in DTYPES or not 1 <= k <= n or n > MAX_N:
         return None
     bn = 1 << max(1, (n - 1).bit_length())
-    tile = max(bn, 32 * _MIN_WARPS * _PER_THREAD)
-    warps = min(_MAX_WARPS, tile // (32 * _PER_THREAD))
+    if contiguous:
+        tile = max(bn, 32 * _MIN_WARPS * _PER_THREAD)
+    else:  # strided: up to a warp's width of fibres side by side
+        tile = bn * max(1, min(32, _STRIDED_TILE // bn))
+    warps = min(_MAX_WARPS, max(_MIN_WARPS, tile // (32 * _PER_THREAD)))
     return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, warps, contiguous)
 
 
