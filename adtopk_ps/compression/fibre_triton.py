@@ -135,8 +135,8 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
     bn = 1 << max(1, (n - 1).bit_length())
     if contiguous:
         tile = max(bn, 32 * _MIN_WARPS * _PER_THREAD)
-    else:  # strided: up to a warp's width of fibres side by side
-        tile = bn * max(1, min(32, _STRIDED_TILE // bn))
+    else:  # strided: a warp's width of fibres side by side, more where they are short
+        tile = bn * max(1, min(32, _STRIDED_TILE // bn), 32 * _MIN_WARPS * _PER_THREAD // bn)
     warps = min(_MAX_WARPS, max(_MIN_WARPS, tile // (32 * _PER_THREAD)))
     return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, warps, contiguous)
 
