@@ -1,5 +1,7 @@
 """Hypothesis strategies for gradients of many shapes and dtypes, and what the payload
 property tests share."""
+import math
+
 import msgpack
 import torch
 from hypothesis import strategies as st
@@ -40,3 +42,19 @@ def encoded_payload_bytes(frames) -> int:
     envelope, packed alone, and every buffer (what ``wire.payload_nbytes`` must equal)."""
     fields = {k: v for k, v in msgpack.unpackb(bytes(frames[0])).items() if k not in ENVELOPE}
     return len(msgpack.packb(fields)) + sum(memoryview(f).nbytes for f in frames[1:])
+
+
+def rule_positions(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions a fibre selection writes (select.py's rule), one fibre at a time in Python:
+    key |x| (a NaN's an infinity), the k largest keys, of equal keys the lower positions,
+    written in ascending order. ``x`` is ``[A, n, *rest]``, the result ``[A, min(k, n), *rest]``."""
+    lead, n, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    k = min(k, n)
+    fibres = x.detach().double().reshape(lead, n, math.prod(rest))
+    out = torch.empty((lead, k, fibres.shape[2]), dtype=torch.int64)
+    for a in range(lead):
+        for j in range(fibres.shape[2]):
+            key = [math.inf if math.isnan(v) else abs(v) for v in fibres[a, :, j].tolist()]
+            chosen = sorted(range(n), key=lambda p: (-key[p], p))[:k]
+            out[a, :, j] = torch.tensor(sorted(chosen), dtype=torch.int64)
+    return out.view(lead, k, *rest)

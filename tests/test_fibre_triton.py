@@ -26,6 +26,7 @@ except ImportError:
 
 from adtopk_ps import wire  # noqa: E402
 from adtopk_ps.compression import create, fibre_triton, select  # noqa: E402
+from adtopk_ps.compression.select import live_rows  # noqa: E402
 from adtopk_ps.compression.staging import Stage  # noqa: E402
 
 NO_TRITON = "triton is not installed (pip install triton; the kernel is optional)"
@@ -45,34 +46,21 @@ def cpu_kernel():
 
 
 def reference(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions [A, k, R] by the documented rule, one fibre at a time in Python."""
+    """Positions [A, k, R] by the documented rule, one fibre at a time in Python: the k
+    largest |x| (a NaN as an infinity), lower positions first among equals, ascending."""
     x3 = x.reshape(x.shape[0], x.shape[1], -1).float()
     lead, n, rest = x3.shape
     out = torch.empty(lead, k, rest, dtype=torch.int64)
     for a in range(lead):
         for j in range(rest):
-            f = x3[a, :, j]
-            mag = f.abs().nan_to_num(nan=math.inf, posinf=math.inf).tolist()
-            if k <= 2 and k < n:
-                chosen = sorted(range(n), key=lambda i: (-mag[i], i))[:k]
-            else:
-                g = fibre_triton.group_size(n, k) if k < n else 0
-                m = n // g if g else n
-                if g and not f[:g * m].isnan().any():
-                    scan = [r * m + c for c in range(m) for r in range(g)] + list(range(g * m, n))
-                else:
-                    scan = list(range(n))
-                rank = {p: i for i, p in enumerate(scan)}
-                chosen = sorted(sorted(scan, key=lambda p: (-mag[p], rank[p]))[:k], key=rank.get)
-                if g and not f[:g * m].isnan().any():
-                    # t, the k-th largest group maximum: fewer than k entries above it, and the
-                    # rest are the entries equal to it, first by position
-                    t = sorted((max(mag[r * m + c] for r in range(g)) for c in range(m)), reverse=True)[k - 1]
-                    above = [p for p in scan if mag[p] > t]
-                    if len(above) < k:
-                        chosen = above + [p for p in range(n) if mag[p] == t][:k - len(above)]
-            out[a, :, j] = torch.tensor(chosen)
+            mag = x3[a, :, j].abs().nan_to_num(nan=math.inf, posinf=math.inf).tolist()
+            out[a, :, j] = torch.tensor(sorted(sorted(range(n), key=lambda p: (-mag[p], p))[:k]))
     return out.view(lead, k, *x.shape[2:])
+
+
+def carried(want: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``want`` with only the rows a payload carries (None: all)."""
+    return want if rows is None else want.index_select(0, rows)
 
 
 def _frames(payload) -> list:
@@ -121,9 +109,11 @@ def test_kernel_follows_the_documented_rule(dtype, lead, n, rest, k_pick, densit
     compensated = (x + grad) if feedback else x  # torch's own rounding in the dtype
     got = fibre_triton.select([fibre_triton.Item(target, grad, k)], Stage(torch.device("cpu")))[0]
     want = reference(compensated, k)
-    assert torch.equal(got.indices.long(), want)
+    chosen = compensated.gather(1, want)
+    assert torch.equal(got.rows, live_rows(chosen)) if got.rows is not None else live_rows(chosen) is None
+    assert torch.equal(got.indices.long(), carried(want, got.rows))
     assert got.indices.dtype == (torch.uint8 if n <= 256 else torch.uint16)
-    assert same_bits(got.values, compensated.gather(1, want))
+    assert same_bits(got.values, carried(chosen, got.rows))
     assert same_bits(got.host_values, got.values) and same_bits(got.host_indices, got.indices)
     assert got.nonfinite == (not bool(got.values.float().isfinite().all()))
     if feedback:  # what was sent left the residual exactly, the rest is r + g
@@ -240,10 +230,9 @@ def test_wire_bytes_are_the_host_copy_and_decode_back(cpu_kernel):
 
 
 @interpreter_only
-def test_dead_rows_the_kernel_sends_as_zeros_sum_like_the_cpu_paths_row_set():
-    # the CUDA kernel keeps every row; the CPU path leaves rows of zeros out: both decode from
-    # the wire to the same tensor, and a server round of one of each sums exactly
-    from adtopk_ps import wire
+def test_dead_rows_are_left_out_as_on_the_cpu_path():
+    # rows whose selection is all zeros (dead units) travel on neither path; a server round
+    # of one payload of each sums exactly
     from server.aggregator import Aggregator
     g = sample((12, 300, 2), torch.float32, 9)
     g[[0, 5, 6]] = 0
@@ -254,15 +243,29 @@ def test_dead_rows_the_kernel_sends_as_zeros_sum_like_the_cpu_paths_row_set():
         b = create(spec).compress(g, "w")
     finally:
         fibre_triton.CPU_TENSORS = False
-    assert a.rows.tolist() == [1, 2, 3, 4, 7, 8, 9, 10, 11] and b.rows is None and b.host is not None
-    assert not b.values[[0, 5, 6]].any()
-    decoded = [wire.decode([bytes(f) for f in wire.encode(wire.Op.PUSH, key=1, payload=p)]).payload
-               for p in (a, b)]
+    assert b.host is not None and a.rows.tolist() == b.rows.tolist() == [1, 2, 3, 4, 7, 8, 9, 10, 11]
+    assert b.host[0].shape == b.values.shape == (9, 3, 2)
+    decoded = [wire.decode([bytes(f) for f in _frames(p)]).payload for p in (a, b)]
     assert same_bits(decoded[0].decompress(), decoded[1].decompress())
-    assert same_bits(decoded[0].decompress(), a.decompress())
     agg = Aggregator(2)
     agg.push(1, 0, 0, decoded[1], owned=True)
     assert torch.equal(agg.push(1, 0, 1, decoded[0], owned=True).decompress(), a.decompress() * 2)
+
+
+@interpreter_only
+def test_what_the_kernel_does_not_take_goes_the_cpu_way(cpu_kernel):
+    # fibres past MAX_N, trailing axes that do not merge without a copy: select.py's path,
+    # with the same selection
+    long = sample((2, fibre_triton.MAX_N + 1), torch.float32, 11)
+    odd = sample((6, 40, 4, 3), torch.float32, 12).transpose(2, 3)  # (6, 40, 3, 4), not mergeable
+    assert fibre_triton.refusal(long) == f"fibres of {fibre_triton.MAX_N + 1} entries are longer than {fibre_triton.MAX_N}"
+    assert fibre_triton.refusal(odd) == "its trailing axes cannot be viewed as one without a copy"
+    for g in (long, odd):
+        p = create("adtopk", ratio=0.05).compress(g, "w")
+        assert p.host is None  # the kernel's payloads carry their host copy
+        assert torch.equal(p.indices.long(), carried(reference(g, p.indices.shape[1]), p.rows))
+    assert fibre_triton.variant(fibre_triton.MAX_N + 1, 5, torch.float32, False) is None
+    assert fibre_triton.variant(25088, 250, torch.float32, True).fb == 1
 
 
 def test_bad_input_is_refused_by_name():

@@ -192,3 +192,18 @@ def test_tensors_the_wire_cannot_carry_are_refused_by_name_and_the_worker_goes_o
         opt.step()
     assert torch.equal(bps.allreduce(torch.ones(8, 0), name="empty"), torch.ones(8, 0))
     assert torch.equal(bps.allreduce(torch.ones(2), name="after"), torch.ones(2))
+
+
+def test_zero_size_parameters_train_under_adtopk(session):
+    """Layers of width 0 ((0, 64), (8, 0): a pruned layer, a config of 0 hidden units) have
+    fibres of no entries: they travel empty and the rest of the model trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 0), torch.nn.Linear(0, 8), torch.nn.Linear(8, 300))
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                   compression={"compressor": "adtopk", "k": 0.01, "ef": "vanilla"})
+    before = model[2].weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+    assert model[1].weight.shape == (8, 0) and not torch.equal(model[2].weight, before)

@@ -3,13 +3,21 @@
  * A tensor viewed as [lead, n, rest] has lead * rest fibres x[a, :, j] of
  * length n. For each fibre one vectorised pass finds the largest |x| of each
  * strided group of entries; the k-th largest group maximum bounds the k-th
- * largest entry from below, so only the groups reaching it are read again,
- * into a candidate buffer of 4k that a branch-free quickselect compacts.
- * Short fibres and fibres holding a NaN stream every entry through the buffer.
+ * largest entry from below, so only the groups above it are read again (the
+ * entries equal to it fill in after), into a candidate buffer of 4k that a
+ * branch-free quickselect compacts.
+ * Fibres too short for 4k groups of 4 are selected whole by a quickselect; fibres
+ * holding a NaN stream every entry through the buffer.
  *
  * The torch kernels this replaces (a scoring pass, two selections and their
  * gathers) allocate and read the tensor several times.
- * Positions are written as int64 into out[a, t, j] (t < k, unordered).
+ *
+ * What is selected is fixed down to the last tie, so that the CUDA kernel (fibre_triton.py)
+ * writes the same payload: the k entries of largest |x| (a NaN counts as an infinity), of
+ * equal |x| the lower positions first, written as int64 into out[a, 0..k-1, j] in ascending
+ * position (an order the GPU kernel can write as cheaply, unlike this search's scan order).
+ * Candidates enter the buffer in position order and its compaction keeps their order, so
+ * the first of the tied are the lowest positions and the positions come out sorted.
  * fibre_topk_feedback also does error feedback's compensation and update in
  * the same pass (see select_all).
  *
@@ -32,11 +40,20 @@ typedef int32_t v4i __attribute__((vector_size(16)));
 
 typedef struct {
     float *value;   /* |x| of a candidate */
-    int64_t *pos;   /* its position in the fibre */
+    int64_t *pos;   /* its position in the fibre, ascending along the buffer */
     float *scratch; /* a copy of value (or of maxima) for the selection */
     float *maxima;  /* the largest |x| of each group of the fibre */
+    Py_ssize_t *chosen; /* the groups read again (fewer than k) */
     Py_ssize_t k, size, cap;
 } Candidates;
+
+/* |v|, a NaN's as an infinity: NaN counts as the largest magnitude, so that a selection
+ * never silently drops one */
+static inline float magnitude(float v)
+{
+    v = fabsf(v);
+    return v != v ? INFINITY : v;
+}
 
 /* The k-th largest of v[0..size) (1 <= k <= size), using tmp (size floats); both are
  * overwritten. Partitions are branch-free (every entry is written to both ends, and only
@@ -79,8 +96,8 @@ static float kth_largest(float *v, float *tmp, Py_ssize_t size, Py_ssize_t k)
     return v[want];
 }
 
-/* Keep the k largest candidates (ties at the k-th broken by position); returns the
- * smallest value kept, the threshold later entries must beat. */
+/* Keep the k largest candidates, in their order (ties at the k-th go to the first, the lower
+ * positions); returns the smallest value kept, the threshold later entries must beat. */
 static float keep_largest(Candidates *c)
 {
     memcpy(c->scratch, c->value, sizeof(float) * (size_t)c->size);
@@ -100,7 +117,9 @@ static float keep_largest(Candidates *c)
     return least;
 }
 
-/* NaN counts as the largest magnitude, as in torch.topk, so it is never silently dropped */
+/* Candidates come in position order, so an entry equal to the threshold comes after every
+ * kept entry it ties with, and loses to them. NaN counts as the largest magnitude, so that
+ * it is never silently dropped. */
 static inline void add(Candidates *c, float v, int64_t pos, float *threshold)
 {
     if (v <= *threshold)
@@ -185,43 +204,80 @@ static int group_maxima(const float *x, Py_ssize_t m, Py_ssize_t g, float *maxim
     return !(nan[0] | nan[1] | nan[2] | nan[3] | nan_tail);
 }
 
-/* The k largest |x| of one contiguous fibre of length n, positions into out.
+/* Positions a[0..na) and b[0..nb), each ascending, into out in ascending order */
+static void merge_into(const int64_t *a, Py_ssize_t na, const int64_t *b, Py_ssize_t nb,
+                       int64_t *out, Py_ssize_t out_stride)
+{
+    Py_ssize_t i = 0, j = 0;
+    for (Py_ssize_t t = 0; t < na + nb; t++)
+        out[t * out_stride] = j == nb || (i < na && a[i] < b[j]) ? a[i++] : b[j++];
+}
+
+/* The k largest |x| of a fibre with no groups to search (k above n / 16), positions into
+ * out (ascending): the k-th largest |x| t by a quickselect over a copy (scratch: 2n floats),
+ * then one pass in position order takes every entry above t and the first of those equal
+ * to it. Streaming every entry through the candidates measured slower, at a compaction per
+ * 3k entries. */
+static void select_whole(const float *x, Py_ssize_t n, Py_ssize_t k, float *scratch,
+                         int64_t *out, Py_ssize_t out_stride)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        scratch[i] = magnitude(x[i]);
+    float t = kth_largest(scratch, scratch + n, n, k);
+    Py_ssize_t ties = k;
+    for (Py_ssize_t i = 0; i < n; i++)
+        ties -= magnitude(x[i]) > t;
+    for (Py_ssize_t i = 0, w = 0; w < k; i++) {
+        float v = magnitude(x[i]);
+        if (v > t || (v == t && ties-- > 0))
+            out[w++ * out_stride] = i;
+    }
+}
+
+/* The k largest |x| of one contiguous fibre of length n, positions into out (ascending).
  *
  * A group whose largest |x| is below the k-th largest group maximum t holds none of the
  * top k: at least k groups reach t, so at least k entries do. One vectorised pass finds
- * the group maxima and t, and only the groups reaching t (about k of them, still in
- * cache) are read again, entry by entry. */
+ * the group maxima and t, and only the groups above t (fewer than k of them, still in
+ * cache) are read again, entry by entry: a row of the groups at a time, which keeps the
+ * candidates in position order. */
 static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *out,
                          Py_ssize_t out_stride)
 {
     Py_ssize_t g = group_size(n, c->k), m = g ? n / g : 0, start = 0;
+    if (!g) {
+        select_whole(x, n, c->k, c->scratch, out, out_stride);
+        return;
+    }
     float threshold = -1.0f;  /* below every |x|: every entry is a candidate */
     float t = -1.0f;
     c->size = 0;
-    if (g && group_maxima(x, m, g, c->maxima)) {
+    if (group_maxima(x, m, g, c->maxima)) {  /* else a NaN: every entry streams through */
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
         t = kth_largest(c->scratch, c->scratch + m, m, c->k);
         threshold = t;  /* entries above t first; ties at t fill in below */
-        for (Py_ssize_t j = 0; j < m; j++)
-            if (c->maxima[j] > t)
-                for (Py_ssize_t i = j; i < g * m; i += m)
-                    add(c, fabsf(x[i]), i, &threshold);
+        Py_ssize_t groups = 0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            c->chosen[groups] = j;
+            groups += c->maxima[j] > t;
+        }
+        for (Py_ssize_t row = 0; row < g * m; row += m)
+            for (Py_ssize_t q = 0; q < groups; q++)
+                add(c, fabsf(x[row + c->chosen[q]]), row + c->chosen[q], &threshold);
         start = m * g;  /* what fills no group is always read */
     }
     for (Py_ssize_t i = start; i < n; i++)
         add(c, fabsf(x[i]), i, &threshold);
-    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
-     * position. Reading them one by one as candidates cost a buffer compaction per 3k
-     * entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
-    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
-        if (fabsf(x[i]) == t) {
-            c->value[c->size] = t;
-            c->pos[c->size++] = i;
-        }
     if (c->size > c->k)
         keep_largest(c);
-    for (Py_ssize_t t = 0; t < c->k; t++)
-        out[t * out_stride] = c->pos[t];
+    /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
+     * position, merged in. Reading them one by one as candidates cost a buffer compaction
+     * per 3k entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
+    Py_ssize_t above = c->size;
+    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
+        if (fabsf(x[i]) == t)
+            c->pos[c->size++] = i;
+    merge_into(c->pos, above, c->pos + above, c->size - above, out, out_stride);
 }
 
 #define SMALL_K 2  /* k = 3 and 4 measured slower streamed than searched */
@@ -306,12 +362,6 @@ static void stream(const float *src, Py_ssize_t n, Py_ssize_t stride, Py_ssize_t
         stream_k(src, n, stride, lanes, 2, at);
 }
 
-static inline float magnitude(float v)
-{
-    v = fabsf(v);
-    return v != v ? INFINITY : v;
-}
-
 /* The k largest |x| of one contiguous fibre. Its entries i = 4q + l form 4 strided fibres
  * (l = 0..3) streamed side by side; the fibre's k largest are among their 4k, plus the
  * n % 4 entries left over, and are picked from those with ties to the lower position.
@@ -369,8 +419,9 @@ static inline Py_ssize_t keep_row(const float *values, int64_t *rows, Py_ssize_t
 
 /* select_all for k <= SMALL_K, a slab at a time (error feedback's x += grad first): its
  * `rest` fibres lie side by side, and are streamed in place from 4 of them up (fewer are
- * copied into 4 lanes, the padding streamed and ignored). Positions go to out and, with
- * values, the selected entries to values and then to zero. */
+ * copied into 4 lanes, the padding streamed and ignored). Positions go to out in ascending
+ * order (streaming finds them largest first) and, with values, the selected entries to
+ * values and then to zero. */
 static Py_ssize_t select_small(float *x, const float *grad, float *values, Py_ssize_t lead,
                                Py_ssize_t n, Py_ssize_t rest, Py_ssize_t k, float *lanes,
                                int32_t *at, int64_t *out, int64_t *rows)
@@ -396,8 +447,9 @@ static Py_ssize_t select_small(float *x, const float *grad, float *values, Py_ss
             select_row(slab, n, k, at);
         }
         for (Py_ssize_t j = 0; j < rest; j++) {
+            Py_ssize_t swap = k == 2 && at[j] > at[w + j];  /* t ^ swap: the t-th by position */
             for (Py_ssize_t t = 0; t < k; t++) {
-                int64_t pos = at[t * w + j];
+                int64_t pos = at[(t ^ swap) * w + j];
                 Py_ssize_t o = written * k * rest + t * rest + j;
                 out[o] = pos;
                 if (values != NULL) {
@@ -478,15 +530,22 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         free(at);
         return result;
     }
-    Candidates c = {NULL, NULL, NULL, NULL, k, 0, 4 * k};
-    size_t groups = (size_t)(n / 4) + 1;  /* at most this many maxima */
-    c.value = malloc(sizeof(float) * (size_t)c.cap);
-    c.scratch = malloc(2 * sizeof(float) * (groups > (size_t)c.cap ? groups : (size_t)c.cap));
+    Candidates c = {NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
+    /* Fibres with groups need the candidates and at most n / 4 + 1 maxima; fibres without
+     * (k above n / 16) only a copy of one fibre to select in (select_whole), where
+     * candidates for every k would take several times the tensor's size. */
+    size_t grouped = group_size(n, k) != 0, cap = grouped ? (size_t)c.cap : 1;
+    size_t groups = grouped ? (size_t)(n / 4) + 1 : 1;
+    size_t scratch = grouped ? (groups > cap ? groups : cap) : (size_t)n;
+    c.value = malloc(sizeof(float) * cap);
+    c.scratch = malloc(2 * sizeof(float) * scratch);
     c.maxima = malloc(sizeof(float) * groups);
-    c.pos = malloc(sizeof(int64_t) * (size_t)c.cap);
+    c.pos = malloc(sizeof(int64_t) * cap);
+    c.chosen = malloc(sizeof(Py_ssize_t) * (grouped ? (size_t)k : 1));
     float *fibre = rest > 1 ? malloc(sizeof(float) * (size_t)n) : NULL;
     PyObject *result = NULL;
-    if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL || (rest > 1 && fibre == NULL)) {
+    if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL ||
+            c.chosen == NULL || (rest > 1 && fibre == NULL)) {
         PyErr_NoMemory();
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -498,6 +557,7 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     free(c.scratch);
     free(c.maxima);
     free(c.pos);
+    free(c.chosen);
     free(fibre);
     return result;
 }
@@ -529,7 +589,9 @@ static PyObject *fibre_topk_feedback(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"fibre_topk", fibre_topk, METH_VARARGS,
      "fibre_topk(x_ptr, lead, n, rest, k, out_ptr): positions of the k largest |x| "
-     "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]."},
+     "of every fibre of a contiguous float32 [lead, n, rest] tensor, as int64 [lead, k, rest]: "
+     "NaN counts as an infinity, of equal |x| the lower positions are taken, and each fibre's "
+     "positions are written in ascending order."},
     {"fibre_topk_feedback", fibre_topk_feedback, METH_VARARGS,
      "fibre_topk_feedback(r_ptr, g_ptr, lead, n, rest, k, out_ptr, values_ptr, rows_ptr): r += g, "
      "then fibre_topk of r; the selected entries of r go to values [lead, k, rest] and become 0. "

@@ -1,9 +1,17 @@
 """The Triton kernel behind :mod:`adtopk_ps.compression.fibre_triton` (imports triton).
 
-A program reads its tensor's row of the table, takes ``FB`` fibres of it as
-a tile ``[FB, G, MB]`` (position ``r*m + c`` at row r, column c) plus a tail
-``[FB, TB]`` (positions ``g*m + t``), and writes values, positions, the
-updated residual and one flag byte (a selected NaN or infinity).
+A program reads its tensor's row of the table and takes ``FB`` whole fibres of it as a
+tile ``[FB, BN]`` (fibre, position), one key per element in registers. It
+
+1. loads the fibres once (with error feedback: ``x = residual + grad``, stored back at
+   once, so that ``x`` need not stay in registers);
+2. finds each fibre's k-th largest key by bisection on its bits, one loop of ``BITS``
+   steps, each a compare and a sum along the fibre (RTop-K's threshold search);
+3. takes every entry above that key and the first of those equal to it by position,
+   and gives each its slot with one scan of a packed count (above in the low half, equal
+   in the high half): positions come out ascending;
+4. reads back the few selected entries, writes their values and positions, zeroes them
+   in the residual, and sets the program's flag byte where one is a NaN or an infinity.
 """
 from __future__ import annotations
 
@@ -12,41 +20,14 @@ import triton.language as tl
 
 
 @triton.jit
-def _sum2(x):
-    return tl.sum(tl.sum(x, 2), 1)
-
-
-@triton.jit
-def _order_rank(sel, tail_sel, by_group):
-    """How many selected entries come before each entry in the scan order: column-major over
-    the tile where ``by_group`` (the group scan), row-major (position order) elsewhere, the
-    tail after either."""
-    s = sel.to(tl.int32)
-    col = tl.sum(s, 1)
-    rank_g = (tl.cumsum(col, 1) - col)[:, None, :] + tl.cumsum(s, 1) - s
-    row = tl.sum(s, 2)
-    rank_p = (tl.cumsum(row, 1) - row)[:, :, None] + tl.cumsum(s, 2) - s
-    rank = tl.where(by_group[:, None, None], rank_g, rank_p)
-    t = tail_sel.to(tl.int32)
-    tail_rank = tl.sum(row, 1)[:, None] + tl.cumsum(t, 1) - t
-    return rank, tail_rank
-
-
-@triton.jit
-def _magnitude(x, BITS: tl.constexpr):
-    """The bits of |x|, an integer that orders like |x| (a NaN's is above an infinity's);
-    read from the bits, since the interpreter compares 16-bit floats by their bits."""
+def _key(x, valid, BITS: tl.constexpr, INF_KEY: tl.constexpr):
+    """|x|'s bits, an integer that orders like |x|, with a NaN as an infinity; -1 where not
+    ``valid``. Read from the bits, since the interpreter compares 16-bit floats by them."""
     if BITS == 31:
         bits = x.to(tl.int32, bitcast=True)
     else:
         bits = x.to(tl.int16, bitcast=True).to(tl.int32)
-    return bits & ((1 << BITS) - 1)
-
-
-@triton.jit
-def _key(magnitude, valid, INF_KEY: tl.constexpr):
-    """The selection key: |x| with a NaN as an infinity; -1 where not valid."""
-    return tl.where(valid, tl.minimum(magnitude, INF_KEY), -1)
+    return tl.where(valid, tl.minimum(bits & ((1 << BITS) - 1), INF_KEY), -1)
 
 
 @triton.jit
@@ -64,138 +45,112 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _load(x_ptr, g_ptr, x_at, g_at, valid, DT: tl.constexpr, FEEDBACK: tl.constexpr):
-    """The entries at ``x_at`` (0 where not ``valid``); with feedback, plus the gradient's at
-    ``g_at``."""
-    x = tl.load(x_ptr + x_at, mask=valid, other=0.0)
-    if FEEDBACK:
-        grad = tl.load(g_ptr + g_at, mask=valid, other=0.0)
-        x = _add(x, grad, DT)
-    return x
-
-
-@triton.jit
-def _select_small(key, pos, valid, tvalid, t2, k, n):
-    """k <= 2 and k < n (no tail): the largest, then the next, lower positions first.
-    (selected, slot) of the tile, then of the (empty) tail."""
-    best = tl.max(tl.max(key, 2), 1)
-    p0 = tl.min(tl.min(tl.where(key == best[:, None, None], pos, n), 2), 1)
-    first_sel = pos == p0[:, None, None]
-    key2 = tl.where(first_sel, -1, key)
-    best2 = tl.max(tl.max(key2, 2), 1)
-    p1 = tl.min(tl.min(tl.where(key2 == best2[:, None, None], pos, n), 2), 1)
-    p1 = tl.where(k >= 2, p1, -1)  # k = 1: no second
-    second_sel = pos == p1[:, None, None]
-    sel = (first_sel | second_sel) & valid
-    slot = tl.where(first_sel, 0, 1)
-    return sel, slot, tvalid, t2 * 0
-
-
-@triton.jit
-def _kth_key(key, tkey, k, BITS: tl.constexpr, FB: tl.constexpr):
-    """The k-th largest key, bit by bit from the top: the largest T with count(key >= T) >= k."""
+def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, AX: tl.constexpr):
+    """Each fibre's k-th largest key, bit by bit from the top: the largest T with
+    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs. ``AX``: the
+    tile's position axis."""
     kth = tl.zeros([FB], dtype=tl.int32)
-    for i in tl.static_range(BITS):
+    for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
         cand = kth | (1 << (BITS - 1 - i))
-        count = _sum2((key >= cand[:, None, None]).to(tl.int32)) + \
-            tl.sum((tkey >= cand[:, None]).to(tl.int32), 1)
-        kth = tl.where(count >= k, cand, kth)
+        # (key - cand) >> 31 is -1 below cand and 0 from it (keys and cand are below 2**31):
+        # a subtract and a shifted add an entry, where a compare's 0/1 costs more
+        below = -tl.sum((key - tl.expand_dims(cand, AX)) >> 31, AX)
+        kth = tl.where(BN - below >= k, cand, kth)
     return kth
 
 
 @triton.jit
-def _select_top(key, tkey, magnitude, valid, tvalid, k, g, BITS: tl.constexpr,
-                INF_KEY: tl.constexpr, FB: tl.constexpr):
-    """The k largest keys of each fibre, in the group scan's order where the tile has groups
-    and no NaN, else in position order. (selected, slot) of the tile, then of the tail."""
-    kth = _kth_key(key, tkey, k, BITS, FB)
-    kth3, kth2 = kth[:, None, None], kth[:, None]
-    above, tabove = key > kth3, tkey > kth2
-    need = k - (_sum2(above.to(tl.int32)) + tl.sum(tabove.to(tl.int32), 1))
-    nans = _sum2(((magnitude > INF_KEY) & valid).to(tl.int32))
-    by_group = (g > 1) & (nans == 0)
-    # where the k-th largest group maximum is the k-th largest entry (fewer than k entries
-    # above it), the entries equal to it fill in by position, after those above
-    fill = by_group & (tl.sum((tl.max(key, 1) >= kth[:, None]).to(tl.int32), 1) >= k)
-    tie, ttie = key == kth3, tkey == kth2
-    tie_rank, ttie_rank = _order_rank(tie, ttie, by_group & ~fill)
-    sel = above | (tie & (tie_rank < need[:, None, None]))
-    tsel = tabove | (ttie & (ttie_rank < need[:, None]))
-    sel = sel & valid
-    tsel = tsel & tvalid
-    slot, tslot = _order_rank(sel, tsel, by_group)
-    above_slot, tabove_slot = _order_rank(above & valid, tabove & tvalid, by_group)
-    fill_at = k - need
-    slot = tl.where(fill[:, None, None], tl.where(above, above_slot, fill_at[:, None, None] + tie_rank), slot)
-    tslot = tl.where(fill[:, None], tl.where(tabove, tabove_slot, fill_at[:, None] + ttie_rank), tslot)
-    return sel, slot, tsel, tslot
+def _slots(key, kth, k, AX: tl.constexpr):
+    """(selected, slot): the entries above ``kth`` and, of those equal to it, the first by
+    position until k are taken; a selected entry's slot is how many selected entries come
+    before it, so slots follow positions."""
+    d = key - tl.expand_dims(kth, AX)  # the key is not needed after this: its registers are free
+    packed = tl.where(d > 0, 1, tl.where(d == 0, 1 << 16, 0))
+    before = tl.cumsum(packed, AX) - packed
+    need = tl.expand_dims(k - (tl.sum(packed, AX) & 0xFFFF), AX)
+    equal_before = before >> 16
+    selected = (packed == 1) | ((packed != 0) & (equal_before < need))
+    slot = (before & 0xFFFF) + tl.minimum(equal_before, need)
+    return selected, slot
 
 
 @triton.jit
-def _store(v_ptr, i_ptr, x, pos, sel, out_at, IDT: tl.constexpr):
-    """The selected entries' values and positions, to ``out_at``."""
-    tl.store(v_ptr + out_at, x, mask=sel)
-    tl.store(i_ptr + out_at, pos.to(IDT), mask=sel)
+def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr, AX: tl.constexpr):
+    """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; where
+    ``CONTIG`` (the host checked: adjacent, 16-byte aligned, n a multiple of 4; AX 1) four at
+    a time."""
+    if CONTIG:
+        ptrs = tl.multiple_of(fibre, 16)[:, None] + pos
+        return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 4])
+    return tl.expand_dims(fibre, AX) + pos * stride.to(tl.int32)
+
+
+@triton.jit
+def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
+    """A predicated store of the low ``WIDTH`` bits of each of ``bits`` (int32) to ``ptrs``,
+    in the tile's own layout. ``tl.store`` would first move pointers, values and mask to a
+    layout of one entry a thread, through shared memory, which costs more than the few
+    stores themselves. The interpreter runs no PTX: the kernel uses ``tl.store`` there."""
+    if WIDTH == 32:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }"
+    elif WIDTH == 16:
+        asm: tl.constexpr = "{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.u16.u32 h, $2; @p st.global.b16 [$1], h; mov.b32 $0, 0; }"
+    else:
+        asm: tl.constexpr = "{ .reg .pred p; .reg .b16 h; setp.ne.b32 p, $3, 0; cvt.u16.u32 h, $2; @p st.global.b8 [$1], h; mov.b32 $0, 0; }"
+    tl.inline_asm_elementwise(asm, "=r,l,r,r", [ptrs.to(tl.int64, bitcast=True), bits, mask.to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
-           INF_KEY: tl.constexpr, FB: tl.constexpr, G: tl.constexpr, MB: tl.constexpr,
-           TB: tl.constexpr, SMALL: tl.constexpr, FEEDBACK: tl.constexpr, W: tl.constexpr):
-    """The Triton program for one tile of fibres: compensate, select each fibre's top k by bisection, write values and positions, update the residual (see fibre_triton.py)."""
+           INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
+           CONTIG: tl.constexpr, AX: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
+    """One tile of fibres: compensate, select each fibre's top k, write values and positions,
+    update the residual (see the module docstring and fibre_triton.py). ``AX``: the tile's
+    position axis, 1 ([fibre, position]) or 0 ([position, fibre]: strided fibres, whose
+    neighbours in memory are other fibres, so that a thread runs along one fibre)."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(DT))
     v_ptr = tl.load(row + 2).to(tl.pointer_type(DT))
     i_ptr = tl.load(row + 3).to(tl.pointer_type(IDT))
-    n, k = tl.load(row + 4), tl.load(row + 5)
-    R = tl.load(row + 6)
-    fibres = tl.load(row + 7)
-    g = tl.load(row + 8)
-    m = tl.load(row + 9)
-    sxa = tl.load(row + 10)
-    sxn = tl.load(row + 11)
-    sxr = tl.load(row + 12)
-    sga = tl.load(row + 13)
-    sgn = tl.load(row + 14)
-    sgr = tl.load(row + 15)
-    first = tl.load(row + 16)
+    n, k, R, fibres = tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
+    sxa, sxn, sxr = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
+    first = tl.load(row + 14)
 
-    f = (pid - first) * FB + tl.arange(0, FB).to(tl.int64)
-    live = f < fibres
-    a, j = f // R, f % R
+    k, R = k.to(tl.int32), R.to(tl.int32)
+    f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
+    a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
+    pos = tl.expand_dims(tl.arange(0, BN), 1 - AX)
+    if CONTIG:
+        n = tl.multiple_of(n, 4)
+    valid = tl.expand_dims(f < fibres, AX) & (pos < n)
+    # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
+    x_ptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, pos, sxn, CONTIG, AX)
+    x = tl.load(x_ptrs, mask=valid, other=0.0)
+    if FEEDBACK:
+        sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
+        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, CONTIG, AX)
+        x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
+        tl.store(x_ptrs, x, mask=valid)
+    key = _key(x, valid, BITS, INF_KEY)
+    bad = tl.max(tl.max(key, 1), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    # the grouped tile
-    r3 = tl.arange(0, G).to(tl.int64)[None, :, None]
-    c3 = tl.arange(0, MB).to(tl.int64)[None, None, :]
-    a3, j3, live3 = a[:, None, None], j[:, None, None], live[:, None, None]
-    pos = r3 * m + c3
-    valid = live3 & (r3 < g) & (c3 < m)
-    x_at = a3 * sxa + pos * sxn + j3 * sxr
-    x = _load(x_ptr, g_ptr, x_at, a3 * sga + pos * sgn + j3 * sgr, valid, DT, FEEDBACK)
-    magnitude = _magnitude(x, BITS)
-    key = _key(magnitude, valid, INF_KEY)
-
-    # the tail: positions g*m .. n-1
-    t2 = tl.arange(0, TB).to(tl.int64)[None, :]
-    a2, j2 = a[:, None], j[:, None]
-    tpos = g * m + t2
-    tvalid = live[:, None] & (tpos < n)
-    tx_at = a2 * sxa + tpos * sxn + j2 * sxr
-    tx = _load(x_ptr, g_ptr, tx_at, a2 * sga + tpos * sgn + j2 * sgr, tvalid, DT, FEEDBACK)
-    tkey = _key(_magnitude(tx, BITS), tvalid, INF_KEY)
-
-    if SMALL:
-        sel, slot, tsel, tslot = _select_small(key, pos, valid, tvalid, t2, k, n)
+    selected, slot = _slots(key, _kth_key(key, k, FB, BN, BITS, AX), k, AX)
+    chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
+    out = a * k * R + j  # each fibre's first output; its t-th is R further on
+    at = slot * R
+    v_out, i_out = tl.expand_dims(v_ptr + out, AX) + at, tl.expand_dims(i_ptr + out, AX) + at
+    if ASM:
+        if BITS == 31:
+            _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
+        else:
+            _scatter(v_out, chosen.to(tl.int16, bitcast=True).to(tl.int32), selected, 16)
+        _scatter(i_out, pos + tl.zeros_like(slot), selected, IDT.primitive_bitwidth)
     else:
-        sel, slot, tsel, tslot = _select_top(key, tkey, magnitude, valid, tvalid, k, g, BITS, INF_KEY, FB)
-
-    _store(v_ptr, i_ptr, x, pos, sel, a3 * k * R + slot * R + j3, IDT)
-    _store(v_ptr, i_ptr, tx, tpos, tsel, a2 * k * R + tslot * R + j2, IDT)
-    if FEEDBACK:  # the residual: zero where selected
-        tl.store(x_ptr + x_at, tl.where(sel, 0.0, x), mask=valid)
-        tl.store(x_ptr + tx_at, tl.where(tsel, 0.0, tx), mask=tvalid)
-    bad = _sum2((sel & (key >= INF_KEY)).to(tl.int32)) + \
-        tl.sum((tsel & (tkey >= INF_KEY)).to(tl.int32), 1)
-    tl.store(flags + pid, (tl.sum(bad, 0) > 0).to(tl.uint8))
+        tl.store(v_out, chosen, mask=selected)
+        tl.store(i_out, (pos + tl.zeros_like(slot)).to(IDT), mask=selected)
+    if FEEDBACK:  # what was sent leaves the residual exactly
+        tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
+    tl.store(flags + pid, bad.to(tl.uint8))

@@ -87,13 +87,12 @@ class ADTopk(Compressor):
         if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
         view, k = self._fibres(tensor, ratio)
-        if fibre_triton.applies(residual) and residual.is_contiguous() and \
+        grad = tensor.detach().reshape(view)
+        if residual.is_contiguous() and fibre_triton.applies(residual.view(view), grad) and \
                 (residual.shape, residual.dtype, residual.device) == \
                 (tensor.shape, tensor.dtype, tensor.device):
-            item = fibre_triton.Item(residual.view(view), tensor.detach().reshape(view), k)
-            return self._staged(tensor, view, item, name)
-        found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k,
-                                    live_only=True)
+            return self._staged(tensor, view, fibre_triton.Item(residual.view(view), grad, k), name)
+        found = fibre_topk_feedback(residual.view(view), grad, k, live_only=True)
         if found is None:
             return None
         positions, values, rows = found
@@ -112,8 +111,8 @@ class ADTopk(Compressor):
         if stage is None or stage.device != tensor.device:
             stage = self._stages[name] = Stage(tensor.device)
         got = fibre_triton.select([item], stage)[0]
-        return Payload("fibre", tuple(tensor.shape), tensor.dtype, got.values, got.indices,
-                       view=view, nonfinite=got.nonfinite, host=(got.host_values, got.host_indices))
+        return Payload("fibre", tuple(tensor.shape), tensor.dtype, got.values, got.indices, view=view,
+                       rows=got.rows, nonfinite=got.nonfinite, host=(got.host_values, got.host_indices))
 
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,

@@ -1,41 +1,31 @@
 """ADTopk's per-fibre top-k on CUDA as one Triton kernel, error feedback fused in.
 
-One launch handles every tensor of a batch that shares a tile shape (a few
-launches for a whole model). A program takes a block of whole fibres into
-registers and, in that one pass over memory: adds the gradient into the
-residual, finds each fibre's k-th largest |x| by bisection on the bits of
-|x| (RTop-K's row-wise threshold search, exact), selects the entries above it
-and the first of those equal to it, writes their values and narrowed
-positions into one device buffer, and stores the residual with what was sent
-set to zero. :class:`~adtopk_ps.compression.staging.Stage` then copies that
-buffer to reused pinned host memory on a side stream.
+One launch handles every tensor of a batch that shares a kernel variant (the
+tile shape, dtype and feedback): a few launches for a whole model. A program
+takes whole fibres into registers and, in one pass over memory, adds the
+gradient into the residual, finds each fibre's k-th largest |x| by bisection
+on the bits of |x| (RTop-K's row-wise threshold search, exact), selects the
+entries above it and the first of those equal to it, writes their values and
+narrowed positions into one device buffer, and zeroes them in the residual
+(``_fibre_kernel.py``). :class:`~adtopk_ps.compression.staging.Stage` then
+copies that buffer to reused pinned host memory on a side stream.
 
-What it selects, and in what order, is what the CPU kernel (``_fibre.c``)
-writes for float32, so payloads are equal bit for bit:
+What it selects is select.py's rule, the CPU path's, so float32 payloads are
+equal bit for bit:
 
-- NaN counts as an infinite magnitude (it ties with an infinity).
-- k <= 2 (and k < n): largest first; equal magnitudes by lower position.
-- otherwise the C kernel's scan order: with ``g = group_size(n, k)`` groups of
-  ``m = n // g``, position ``r*m + c`` (r < g) comes at ``c*g + r`` and the last
-  ``n - g*m`` positions after all of those, in order. Ties at the k-th
-  magnitude go to the earliest in that order, and the k positions are written
-  in it; except where the k-th largest group maximum is the k-th largest
-  magnitude (fewer than k entries above it, as in a fibre of zeros): then the
-  entries above it come in scan order, and those equal to it fill the rest
-  by position. A fibre with no groups (g = 0), or with a NaN among its grouped
-  positions, is scanned in plain position order.
+- the k entries of largest |x|, a NaN counting as an infinity;
+- among equal magnitudes, the lower positions first;
+- positions written in ascending order, values in the same order;
+- rows of the view whose selection is all zeros (dead units) left out.
 
-On CPU, float16 and bfloat16 take torch's own selections, whose order (and
-choice among equal magnitudes) torch does not fix; there the kernel's
-payloads hold the same entries where magnitudes are distinct, in the order
-above. The residual is ``r + g`` rounded to the tensor's dtype, as torch
-computes it.
-
-Triton is optional: :func:`applies` is False where it cannot be imported, and
-the CPU path (``select.py``) runs as before.
+The residual is ``r + g`` rounded to the tensor's dtype, as torch computes it.
+Fibres longer than :data:`MAX_N` and views that cannot be read as ``[A, n, R]``
+take select.py's torch path on the GPU. Triton is optional: :func:`applies` is
+False where it cannot be imported, and the CPU path runs as before.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -44,6 +34,7 @@ from functools import lru_cache
 import torch
 
 from ..dtypes import index_dtype, wire_name
+from .select import live_rows
 from .staging import Stage, aligned
 
 # bits of |x| below the sign, and the key of an infinity (a NaN's key is clipped to it)
@@ -51,10 +42,17 @@ _BITS = {torch.float32: 31, torch.float16: 15, torch.bfloat16: 15}
 #: the wire's float dtypes (adtopk_ps/dtypes.py) this kernel selects in: all but float64
 DTYPES = tuple(_BITS)
 _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-_SMALL_K = 2  # the C kernel's SMALL_K: largest-first order up to here
-_TILE = 4096  # elements per program that fibres are packed up to
+#: the longest fibre a program holds in registers; longer ones take select.py's path
+MAX_N = 32768
+# keys each thread holds: a tile is 32 of them per thread of its warps
+_PER_THREAD = 16
+_MIN_WARPS, _MAX_WARPS = 4, 32
+_STRIDED_TILE = 4096  # entries of a strided variant's tile (its fibres side by side)
+#: the kernel's runtime arguments, as triton.compile's ASTSource takes them
+SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program
-_COLUMNS = 17
+_COLUMNS = 15
+_TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
 
 
 @lru_cache(maxsize=1)
@@ -79,22 +77,102 @@ def interpreted() -> bool:
 CPU_TENSORS = False
 
 
-def applies(x: torch.Tensor) -> bool:
-    """Whether the kernel can select from ``x``: a CUDA tensor of a supported dtype, with
-    triton importable."""
-    if x.dtype not in DTYPES or x.dim() < 2 or x.numel() == 0:  # empty: select.py's arange
-        return False
+@dataclass(frozen=True)
+class Variant:
+    """One compiled form of the kernel: what a launch's tensors share.
+
+    Example::
+
+        v = variant(n=1024, k=10, dtype=torch.float32, feedback=True)
+        v.fb, v.bn, v.warps        # 2 fibres of 1024 (tile columns) per program, 4 warps
+    """
+
+    dtype: torch.dtype
+    index_bytes: int
+    feedback: bool
+    fb: int  # fibres per program
+    bn: int  # tile columns: a power of two >= n
+    warps: int
+    contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
+
+    @property
+    def transposed(self) -> bool:
+        """Whether the tile is [position, fibre]: for strided fibres, whose neighbours in
+        memory are other fibres, so that a warp reads them side by side and a thread runs
+        along one fibre (its sums and scan stay in the thread)."""
+        return not self.contiguous
+
+    @property
+    def loop_trips(self) -> int:
+        """How many times the kernel's one loop, the bisection over the key's bits, runs."""
+        return _BITS[self.dtype]
+
+    def constants(self, fb: int | None = None) -> dict:
+        """The kernel's constexprs (``fb``: fewer fibres per program, for small tensors)."""
+        tl = _tl()
+        return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
+                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=fb or self.fb,
+                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
+                    ASM=not interpreted(),
+                    W=_COLUMNS)
+
+
+def _tl():
+    import triton.language as tl
+    return tl
+
+
+def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
+    """The variant that selects ``k`` of fibres of length ``n`` (``contiguous``: whose
+    positions are adjacent in memory); None where the kernel does not take them
+    (select.py's path does).
+
+    A program's tile holds ``_PER_THREAD`` keys a thread: short fibres share a program of
+    4 warps, a long one takes up to 32 warps alone.
+    """
+    if dtype not in DTYPES or not 1 <= k <= n or n > MAX_N:
+        return None
+    bn = 1 << max(1, (n - 1).bit_length())
+    if contiguous:
+        tile = max(bn, 32 * _MIN_WARPS * _PER_THREAD)
+    else:  # strided: a warp's width of fibres side by side, more where they are short
+        tile = bn * max(1, min(32, _STRIDED_TILE // bn), 32 * _MIN_WARPS * _PER_THREAD // bn)
+    warps = min(_MAX_WARPS, max(_MIN_WARPS, tile // (32 * _PER_THREAD)))
+    return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, warps, contiguous)
+
+
+def _three_d(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` as [A, n, R] without a copy, or None where its trailing axes do not merge."""
+    try:
+        return x.view(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+    except RuntimeError:
+        return None
+
+
+def applies(x: torch.Tensor, grad: torch.Tensor | None = None) -> bool:
+    """Whether the kernel can select from ``x`` (with error feedback: ``x`` the residual,
+    ``grad`` added into it): a CUDA tensor the kernel takes (:func:`refusal`), with triton
+    importable."""
     if x.device.type != "cuda" and not (CPU_TENSORS and x.device.type == "cpu" and interpreted()):
         return False
-    return _triton() is not None
+    return x.numel() > 0 and refusal(x, grad) is None and _triton() is not None  # empty: select.py's arange
 
 
-def group_size(n: int, k: int) -> int:
-    """The C kernel's group size for a fibre (``group_size`` in _fibre.c); 0: no groups."""
-    for g in (16, 8, 4):
-        if n // g >= 4 * k:
-            return g
-    return 0
+def refusal(x: torch.Tensor, grad: torch.Tensor | None = None) -> str | None:
+    """Why the kernel cannot take ``x`` (and ``grad``), or None: its dtype, fewer than two
+    dimensions, fibres longer than :data:`MAX_N`, trailing axes that do not merge into one
+    without a copy, or a fibre whose offsets pass 32 bits."""
+    if x.dtype not in DTYPES or x.dim() < 2:
+        return f"every tensor must be one of {[str(d) for d in DTYPES]} with dim() >= 2"
+    if x.shape[1] > MAX_N:
+        return f"fibres of {x.shape[1]} entries are longer than {MAX_N}"
+    for t in (x, grad):
+        view = None if t is None else _three_d(t)
+        if t is not None and view is None:
+            return "its trailing axes cannot be viewed as one without a copy"
+        if view is not None and (view.shape[1] - 1) * abs(view.stride(1)) >= 2**31:
+            return "a fibre's offsets pass 32 bits"
+    return None
 
 
 @dataclass
@@ -107,26 +185,14 @@ class Item:
 
 @dataclass
 class Selected:
-    """One tensor's selection: device views into the stage's buffer and their host copies."""
+    """One tensor's selection: device views into the stage's buffer and their host copies,
+    the rows carried (None: all) and whether a NaN or an infinity was selected."""
     values: torch.Tensor
     indices: torch.Tensor
     host_values: torch.Tensor
     host_indices: torch.Tensor
+    rows: torch.Tensor | None
     nonfinite: bool
-
-
-def _three_d(x: torch.Tensor) -> torch.Tensor:
-    return x.view(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
-
-
-def _config(n: int, k: int) -> tuple[bool, int, int, int]:
-    """(small, groups in the tile, group length m, tile columns) for fibres of length n."""
-    if k <= _SMALL_K and k < n:
-        return True, 1, n, 1
-    g = group_size(n, k) if k < n else 0
-    if g == 0:
-        return False, 1, n, 1
-    return False, g, n // g, g
 
 
 def select(items: list[Item], stage: Stage) -> list[Selected]:
@@ -135,33 +201,32 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
     Items with a ``grad`` are error feedback: ``x += grad`` first, and the
     selected entries of ``x`` end as zero. Returns once the host bytes are
     ready (they were copied on the side stream); the views stay valid until the
-    next call on ``stage``.
+    next call on ``stage``. Every item must be one :func:`applies` takes.
     """
-    kernel, tl = _triton()
     if not items:
         return []
-    dtype = items[0].x.dtype
-    layout, at = _lay_out(items)
-    launches, starts, spans, programs = _plan_launches(items, layout)
-    flags_at = at
-    total = aligned(flags_at + programs)
-    buffer = stage.device_buffer(total)
-    for key, members, fb, first_program in launches:
-        _launch(kernel, tl, key, members, fb, items, layout, buffer,
-                buffer[flags_at + first_program:], stage, dtype)
-    host = stage.to_host(total)
+    kernel, _ = _triton()
+    device = items[0].x.device
+    layout, flags_at = _lay_out(items)
+    launches, starts, spans = _plan_launches(items)
+    programs = sum(spans)
+    buffer = stage.device_buffer(aligned(flags_at + programs))
+    first_of = {i: first for _, members, _, first in launches for i in members}
+    rows = [value for i, item in enumerate(items)
+            for value in _row(item, layout[i], buffer, starts[i] - first_of[i])]
+    owners = [i for _, members, _, _ in launches for i in members for _ in range(spans[i])]
+    table = stage.table(rows + owners)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        for v, members, fb, first in launches:
+            count = sum(spans[i] for i in members)
+            kernel[(count,)](table, len(rows) + first, buffer[flags_at + first:],
+                             **v.constants(fb), num_warps=v.warps,
+                             enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
+    host = stage.to_host(aligned(flags_at + programs))
     stage.wait()
-    results = []
-    for i, item in enumerate(items):
-        values_at, indices_at, count, idt = layout[i]
-        shape = (item.x.shape[0], item.k, *item.x.shape[2:])
-        results.append(Selected(
-            _region(buffer, values_at, count, dtype).view(shape),
-            _region(buffer, indices_at, count, idt).view(shape),
-            _region(host, values_at, count, dtype).view(shape),
-            _region(host, indices_at, count, idt).view(shape),
-            bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any())))
-    return results
+    return [_result(item, layout[i], buffer, host,
+                    bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any()))
+            for i, item in enumerate(items)]
 
 
 def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]], int]:
@@ -171,13 +236,14 @@ def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]]
     layout, at = [], 0
     for item in items:
         x = item.x
-        if x.dtype != dtype or x.device != device or x.dtype not in DTYPES or x.dim() < 2:
-            raise ValueError(f"fibre kernel: every tensor must be {dtype} on {device} with "
-                             f"dim() >= 2, got {x.dtype} {tuple(x.shape)} on {x.device}")
         if item.grad is not None and (item.grad.shape, item.grad.dtype, item.grad.device) != \
                 (x.shape, x.dtype, x.device):
             raise ValueError(f"fibre kernel: grad {tuple(item.grad.shape)} {item.grad.dtype} does "
                              f"not match {tuple(x.shape)} {x.dtype}")
+        why = refusal(x, item.grad)
+        if x.dtype != dtype or x.device != device or why:
+            raise ValueError(f"fibre kernel: {why or f'every tensor must be {dtype} on {device}'}; "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
         n = x.shape[1]
         if not 1 <= item.k <= n:
             raise ValueError(f"fibre kernel: k={item.k} outside [1, {n}] for {tuple(x.shape)}")
@@ -189,64 +255,65 @@ def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]]
     return layout, at
 
 
-def _plan_launches(items: list[Item], layout: list) -> tuple[list, dict[int, int], dict[int, int], int]:
-    """One launch per kernel configuration: (key, its items, fibres per program, its first
-    program) each; the first program and the number of programs of each item; all programs."""
-    groups: dict[tuple, list[int]] = {}
+def _plan_launches(items: list[Item]) -> tuple[list[tuple[Variant, list[int], int, int]], list[int], list[int]]:
+    """One launch per variant: (variant, its items, fibres per program, its first program);
+    each item's first program and number of programs. Programs are numbered across
+    launches, so that item i owns flags[starts[i]:starts[i] + spans[i]]."""
+    groups: dict[Variant, list[int]] = {}
     for i, item in enumerate(items):
-        small, g, m, tail = _config(item.x.shape[1], item.k)
-        key = (small, g, 1 << max(0, (m - 1).bit_length()), tail, layout[i][3].itemsize,
-               item.grad is not None)
-        groups.setdefault(key, []).append(i)
-    # programs are numbered across launches: item i owns flags[starts[i]:starts[i] + spans[i]]
-    launches, starts, spans, programs = [], {}, {}, 0
-    for key, members in groups.items():
-        small, g_tile, mb, tail, _, _ = key
-        fb = 1 << (max(1, _TILE // (g_tile * mb)).bit_length() - 1)
-        most = max(_fibres(items[i].x) for i in members)
-        fb = min(fb, 1 << max(0, (most - 1).bit_length()))
-        launches.append((key, members, fb, programs))
+        adjacent = all(_in_fours(_three_d(t)) for t in (item.x, item.grad) if t is not None)
+        v = variant(item.x.shape[1], item.k, item.x.dtype, item.grad is not None, adjacent)
+        groups.setdefault(v, []).append(i)
+    launches, starts, spans, programs = [], [0] * len(items), [0] * len(items), 0
+    for v, members in groups.items():
+        most = max(_fibres(items[i].x) for i in members)  # a small tensor: a smaller tile
+        fb = min(v.fb, 1 << max(0, (most - 1).bit_length()))
+        launches.append((v, members, fb, programs))
         for i in members:
             starts[i], spans[i] = programs, -(-_fibres(items[i].x) // fb)
             programs += spans[i]
-    return launches, starts, spans, programs
+    return launches, starts, spans
+
+
+def _in_fours(view: torch.Tensor) -> bool:
+    """Whether every fibre of ``view`` [A, n, R] is adjacent in memory and can be read four
+    entries at a time: 16-byte aligned, of a length and row strides in multiples of 4."""
+    return (view.stride(1) == 1 and view.shape[1] % 4 == 0 and view.data_ptr() % 16 == 0
+            and view.stride(0) % 4 == 0 and (view.shape[2] == 1 or view.stride(2) % 4 == 0))
 
 
 def _fibres(x: torch.Tensor) -> int:
     return x.shape[0] * math.prod(x.shape[2:])
 
 
+def _row(item: Item, layout: tuple, buffer: torch.Tensor, first: int) -> list[int]:
+    """The item's row of the table: pointers, sizes, strides and its first program."""
+    x3 = _three_d(item.x)
+    grad3 = _three_d(item.grad) if item.grad is not None else x3
+    values_at, indices_at, _, _ = layout
+    base = buffer.data_ptr()
+    return [x3.data_ptr(), grad3.data_ptr(), base + values_at, base + indices_at, x3.shape[1],
+            item.k, x3.shape[2], _fibres(x3), *x3.stride(), *grad3.stride(), first]
+
+
 def _region(buffer: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[at:at + count * dtype.itemsize].view(dtype)
 
 
-_TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
-
-
-def _launch(kernel, tl, key, members, fb, items, layout, buffer, flags, stage, dtype) -> None:
-    small, g_tile, mb, tail, index_bytes, feedback = key
-    rows, owners, pid = [], [], 0
-    base = buffer.data_ptr()
-    for slot, i in enumerate(members):
-        item = items[i]
-        x3 = _three_d(item.x)
-        grad3 = _three_d(item.grad) if feedback else x3
-        n, k = x3.shape[1], item.k
-        _, g, m, _ = _config(n, k)
-        fibres = x3.shape[0] * x3.shape[2]
-        span = -(-fibres // fb)
-        values_at, indices_at, _, _ = layout[i]
-        rows += [x3.data_ptr(), grad3.data_ptr(), base + values_at, base + indices_at, n, k,
-                 x3.shape[2], fibres, g, m, *x3.stride(), *grad3.stride(), pid]
-        owners += [slot] * span
-        pid += span
-    if pid == 0:
-        return
-    table = stage.table(rows + owners)
-    warps = 4 if g_tile * mb * fb <= 2048 else 8 if g_tile * mb * fb <= 8192 else 16
-    kernel[(pid,)](
-        table, len(rows), flags,
-        DT=getattr(tl, wire_name(dtype)), IDT=getattr(tl, _TL_INDEX[index_bytes]),
-        BITS=_BITS[dtype], INF_KEY=_INF_KEY[dtype], FB=fb, G=g_tile, MB=mb, TB=tail,
-        SMALL=small, FEEDBACK=feedback, W=_COLUMNS, num_warps=warps,
-        enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
+def _result(item: Item, layout: tuple, buffer: torch.Tensor, host: torch.Tensor,
+            nonfinite: bool) -> Selected:
+    """One item's views, with the rows that selected only zeros left out (found on the host
+    copy, which is small: k entries a fibre)."""
+    values_at, indices_at, count, idt = layout
+    dtype = item.x.dtype
+    shape = (item.x.shape[0], item.k, *item.x.shape[2:])
+    values, indices = _region(buffer, values_at, count, dtype).view(shape), \
+        _region(buffer, indices_at, count, idt).view(shape)
+    host_values, host_indices = _region(host, values_at, count, dtype).view(shape), \
+        _region(host, indices_at, count, idt).view(shape)
+    rows = live_rows(host_values)
+    if rows is not None:
+        on_device = rows.to(values.device, non_blocking=True)
+        values, indices = values.index_select(0, on_device), indices.index_select(0, on_device)
+        host_values, host_indices = host_values.index_select(0, rows), host_indices.index_select(0, rows)
+    return Selected(values, indices, host_values, host_indices, rows, nonfinite)

@@ -2,6 +2,23 @@
 
 All kernels compare magnitudes |g|, run on the tensor's own device, and
 return int64 positions (callers narrow the type for the wire).
+
+A fibre selection (:func:`fibre_topk`, :func:`fibre_topk_feedback`) follows
+one rule, so that the CUDA kernel (``fibre_triton.py``) and this CPU path
+write the same payload, per fibre ``x[a, :, j...]`` of length ``n``:
+
+1. an entry's key is |x|, a NaN's an infinity (a NaN ties with an infinity);
+2. the ``k`` entries of largest key are selected, of equal keys the lower
+   positions first (``k >= n``: every position);
+3. the positions are written in ascending order along the fibre, and the
+   values in the same order.
+
+float32 contiguous CPU tensors take the compiled kernel (``_fibre.c``),
+which follows it exactly, ties included. The other CPU paths (float16,
+bfloat16, float64, strided tensors, an install without a C compiler) take
+torch's selections: their positions are ascending too, and they select the
+same entries wherever the keys at the k-th are distinct, but torch.topk
+does not fix its choice among equal keys, and puts a NaN above an infinity.
 """
 from __future__ import annotations
 
@@ -19,9 +36,6 @@ except ImportError:  # built without a C compiler: the torch kernels below do th
 _MIN_TWO_STAGE = 1024
 # Group sizes outside this range measured slower on every layer shape tried.
 _MIN_GROUP, _MAX_GROUP = 4, 8
-# The compiled kernel (_fibre.c) needs 4k groups of at least 4 entries per fibre; below
-# that share of a fibre the torch selections measured as fast anyway.
-_MAX_KERNEL_SHARE = 1 / 16
 # the wire's float dtypes (adtopk_ps/dtypes.py) that numpy can partition: it has no bfloat16
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
@@ -42,9 +56,27 @@ def largest_along_1(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions along axis 1 of the ``k`` largest |x| in every fibre ``x[i, :, j...]``.
+    """Positions along axis 1 of the ``k`` largest |x| in every fibre ``x[i, :, j...]``,
+    ascending along the fibre (the rule of the module docstring).
 
     ``x`` has shape ``[A, n, *rest]``; the result ``[A, k, *rest]``.
+    """
+    n = x.shape[1]
+    if k < n and _kernel_applies(x):
+        return _kernel_topk(x, k)
+    if k >= n:
+        shape = [1] * x.dim()
+        shape[1] = n
+        return torch.arange(n, device=x.device).view(shape).expand(x.shape).contiguous()
+    if k == 1:  # largest |x| is the max or the min: two reads, no |x| copy
+        hi, at_hi = x.max(dim=1, keepdim=True)  # of equal values, the first
+        lo, at_lo = x.min(dim=1, keepdim=True)
+        return torch.where((hi > lo.neg()) | ((hi == lo.neg()) & (at_hi < at_lo)), at_hi, at_lo)
+    return _search(x, k).sort(dim=1).values
+
+
+def _search(x: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`fibre_topk`'s torch selection for ``1 < k < n``, positions unordered.
 
     Long fibres use an exact two-stage search instead of one big sort. The
     fibre's positions are dealt into ``m`` strided groups of ``c`` elements;
@@ -56,16 +88,6 @@ def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     (which balances the two top-k calls).
     """
     n = x.shape[1]
-    if k < n and _kernel_applies(x, k):
-        return _kernel_topk(x, k)
-    if k >= n:
-        shape = [1] * x.dim()
-        shape[1] = n
-        return torch.arange(n, device=x.device).view(shape).expand(x.shape).contiguous()
-    if k == 1:  # largest |x| is the max or the min: two reads, no |x| copy
-        hi, at_hi = x.max(dim=1, keepdim=True)
-        lo, at_lo = x.min(dim=1, keepdim=True)
-        return torch.where(hi >= lo.neg(), at_hi, at_lo)
     c = min(_MAX_GROUP, int(math.sqrt(n / k)))
     if n < _MIN_TWO_STAGE or c < _MIN_GROUP:
         return largest_along_1(x.abs(), k)
@@ -91,9 +113,11 @@ def fibre_topk(x: torch.Tensor, k: int) -> torch.Tensor:
     return positions
 
 
-def _kernel_applies(x: torch.Tensor, k: int) -> bool:
+def _kernel_applies(x: torch.Tensor) -> bool:
+    """Whether the compiled kernel selects in ``x``: at every ``k``, so that every float32
+    CPU selection follows the rule exactly, ties included, as the CUDA kernel's does."""
     return (_fibre is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and x.is_contiguous() and k <= max(1, x.shape[1] * _MAX_KERNEL_SHARE))
+            and x.is_contiguous())
 
 
 def _kernel_topk(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -110,14 +134,15 @@ def fibre_topk_feedback(residual: torch.Tensor, grad: torch.Tensor, k: int, live
     """Error feedback and selection in one pass over memory, or None where the kernel does not apply.
 
     ``residual += grad``; the positions of the ``k`` largest |residual| per
-    fibre and their values are returned, and those entries of ``residual``
+    fibre and their values are returned (as :func:`fibre_topk` selects and
+    orders them), and those entries of ``residual``
     become zero (what was sent leaves the residual exactly). With
     ``live_only``, rows of the view (``residual[a]``) whose selection is all
     zeros are left out as the kernel writes them, and the third result lists
     the rows kept (None where every row is kept): what :func:`live_rows`
     finds, without another pass.
     """
-    if not (k < residual.shape[1] and _kernel_applies(residual, k) and grad.is_contiguous()
+    if not (k < residual.shape[1] and _kernel_applies(residual) and grad.is_contiguous()
             and (grad.shape, grad.dtype, grad.device) == (residual.shape, residual.dtype, residual.device)):
         return None
     lead, n = residual.shape[0], residual.shape[1]
@@ -137,10 +162,13 @@ def global_topk(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Flat positions of the ``k`` largest |flat| (exact, one global selection).
 
     A flat tensor is one long fibre, so the compiled kernel's group bound
-    applies as it does to ADTopk's fibres (timings: docs/benchmark-compression.md).
+    applies as it does to ADTopk's fibres (timings: docs/benchmark-compression.md);
+    there the positions follow the fibre rule, as the fused error feedback
+    path (``Compressor._coo_with_feedback``) writes them. Elsewhere they are
+    unordered: a ``coo`` payload's positions need no order.
     """
     row = flat.view(1, -1)
-    if k < flat.numel() and _kernel_applies(row, k):
+    if k < flat.numel() and _kernel_applies(row):
         return _kernel_topk(row, k).view(-1)
     return flat.abs().topk(k, sorted=False).indices
 

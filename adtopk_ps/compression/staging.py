@@ -43,6 +43,7 @@ class Stage:
         self._table = torch.empty(0, dtype=torch.int64, device=device)
         self._stream = torch.cuda.Stream(device) if self.cuda else None
         self._copied = torch.cuda.Event() if self.cuda else None
+        self._uploaded = torch.cuda.Event() if self.cuda else None
         self._pending = False
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -54,9 +55,13 @@ class Stage:
         return self._device[:nbytes]
 
     def table(self, rows: list[int]) -> torch.Tensor:
-        """``rows`` as an int64 tensor on the device, uploaded through a reused pinned buffer."""
-        if self._pending:
-            self.wait()  # the pinned table may still be read by the previous upload
+        """``rows`` as an int64 tensor on the device, uploaded through a reused pinned buffer.
+
+        The pinned buffer is rewritten only once the previous upload from it has run (an
+        event after each upload): rewritten while that copy still waits in the stream, it
+        would hand the earlier launch this call's table."""
+        if self.cuda:
+            self._uploaded.synchronize()
         n = len(rows)
         if self._table_host.numel() < n:
             size = _grown(n)
@@ -65,7 +70,9 @@ class Stage:
         self._table_host[:n] = torch.tensor(rows, dtype=torch.int64)
         if not self.cuda:
             return self._table_host[:n]
-        return self._table[:n].copy_(self._table_host[:n], non_blocking=True)
+        table = self._table[:n].copy_(self._table_host[:n], non_blocking=True)
+        self._uploaded.record(torch.cuda.current_stream(self.device))
+        return table
 
     def to_host(self, nbytes: int) -> torch.Tensor:
         """Start copying the first ``nbytes`` to the pinned host buffer, after everything the
