@@ -34,24 +34,31 @@ class Stage:
         stage.wait()                            # host bytes ready for the wire
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, cuda: "CudaCalls | None" = None):
         self.device = device
         self.cuda = device.type == "cuda"
-        self._device = torch.empty(0, dtype=torch.uint8, device=device)
+        self._calls = cuda or (CudaCalls(device) if self.cuda else None)
+        self._device = self._empty(0, torch.uint8)
         self._host = torch.empty(0, dtype=torch.uint8)
         self._table_host = torch.empty(0, dtype=torch.int64)
-        self._table = torch.empty(0, dtype=torch.int64, device=device)
-        self._stream = torch.cuda.Stream(device) if self.cuda else None
-        self._copied = torch.cuda.Event() if self.cuda else None
-        self._uploaded = torch.cuda.Event() if self.cuda else None
+        self._table = self._empty(0, torch.int64)
+        self._stream = self._calls.stream() if self.cuda else None
+        self._copied = self._calls.event() if self.cuda else None
+        self._uploaded = self._calls.event() if self.cuda else None
         self._pending = False
+
+    def _empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._calls.empty(size, dtype) if self.cuda else torch.empty(size, dtype=dtype)
+
+    def _pinned(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        return self._calls.pinned(size, dtype) if self.cuda else torch.empty(size, dtype=dtype)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the device buffer, free to overwrite on the current stream."""
         if self._pending:  # the previous copy still reads the buffer
-            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            self._calls.current_stream().wait_event(self._copied)
         if self._device.numel() < nbytes:
-            self._device = torch.empty(_grown(nbytes), dtype=torch.uint8, device=self.device)
+            self._device = self._empty(_grown(nbytes), torch.uint8)
         return self._device[:nbytes]
 
     def table(self, rows: list[int]) -> torch.Tensor:
@@ -65,25 +72,25 @@ class Stage:
         n = len(rows)
         if self._table_host.numel() < n:
             size = _grown(n)
-            self._table_host = torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
-            self._table = torch.empty(size, dtype=torch.int64, device=self.device)
+            self._table_host = self._pinned(size, torch.int64)
+            self._table = self._empty(size, torch.int64)
         self._table_host[:n] = torch.tensor(rows, dtype=torch.int64)
         if not self.cuda:
             return self._table_host[:n]
         table = self._table[:n].copy_(self._table_host[:n], non_blocking=True)
-        self._uploaded.record(torch.cuda.current_stream(self.device))
+        self._uploaded.record(self._calls.current_stream())
         return table
 
     def to_host(self, nbytes: int) -> torch.Tensor:
         """Start copying the first ``nbytes`` to the pinned host buffer, after everything the
         current stream has queued; :meth:`wait` before reading what this returns."""
         if self._host.numel() < nbytes:
-            self._host = torch.empty(_grown(nbytes), dtype=torch.uint8, pin_memory=self.cuda)
+            self._host = self._pinned(_grown(nbytes), torch.uint8)
         host = self._host[:nbytes]
         if not self.cuda:
             return host.copy_(self._device[:nbytes])
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        self._stream.wait_stream(self._calls.current_stream())
+        with self._calls.on(self._stream):
             host.copy_(self._device[:nbytes], non_blocking=True)
             self._copied.record(self._stream)
         self._pending = True
@@ -99,3 +106,35 @@ class Stage:
 def _grown(nbytes: int) -> int:
     """A capacity with headroom, so that small changes (a density raised) keep the buffer."""
     return aligned(max(nbytes + nbytes // 4, 4096))
+
+
+class CudaCalls:
+    """The CUDA calls a :class:`Stage` makes, in one place: its tests pass an object with
+    these methods that records the order of uploads, copies and waits on a CPU machine."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def empty(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device tensor."""
+        return torch.empty(size, dtype=dtype, device=self.device)
+
+    def pinned(self, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor in page-locked memory, which non-blocking copies need."""
+        return torch.empty(size, dtype=dtype, pin_memory=True)
+
+    def stream(self) -> "torch.cuda.Stream":
+        """A side stream of the device."""
+        return torch.cuda.Stream(self.device)
+
+    def event(self) -> "torch.cuda.Event":
+        """An event to record on a stream and wait for."""
+        return torch.cuda.Event()
+
+    def current_stream(self) -> "torch.cuda.Stream":
+        """The stream the caller's kernels are queued on."""
+        return torch.cuda.current_stream(self.device)
+
+    def on(self, stream: "torch.cuda.Stream"):
+        """A context in which work is queued on ``stream``."""
+        return torch.cuda.stream(stream)

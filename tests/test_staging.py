@@ -1,0 +1,109 @@
+"""The pinned staging's order of uploads, copies and waits, on a CPU machine: CudaCalls
+replaced by fakes that model a stream's queue (a recorded event is pending until it is
+synchronized or waited for), so that a rewrite of memory a queued copy still reads fails."""
+from __future__ import annotations
+
+import torch
+
+from adtopk_ps.compression import fibre_triton
+from adtopk_ps.compression.staging import Stage
+
+
+class Event:
+    def __init__(self, log: list, name: str):
+        self.log, self.name, self.queued = log, name, False
+
+    def record(self, stream=None) -> None:
+        self.log.append(f"record {self.name}")
+        self.queued = True
+
+    def synchronize(self) -> None:
+        self.log.append(f"sync {self.name}")
+        self.queued = False
+
+
+class Stream:
+    def __init__(self, log: list):
+        self.log = log
+
+    def wait_event(self, event: Event) -> None:
+        self.log.append(f"wait {event.name}")
+
+    def wait_stream(self, other) -> None:
+        self.log.append("side waits")
+
+
+class Calls:
+    """CudaCalls on the CPU; the stage's pinned table is checked at each upload."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.events = iter(["copied", "uploaded"])
+
+    def empty(self, size, dtype):
+        return torch.empty(size, dtype=dtype)
+
+    def pinned(self, size, dtype):
+        return torch.empty(size, dtype=dtype)
+
+    def stream(self):
+        return Stream(self.log)
+
+    def event(self):
+        return Event(self.log, next(self.events))
+
+    def current_stream(self):
+        return Stream(self.log)
+
+    def on(self, stream):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def _stage() -> tuple[Stage, Calls]:
+    calls = Calls()
+    return Stage(torch.device("cuda"), cuda=calls), calls
+
+
+def test_the_pinned_table_is_rewritten_only_after_its_upload_ran():
+    stage, calls = _stage()
+    for rows in ([1, 2, 3], [4, 5], list(range(100))):  # the last one grows the buffers
+        assert stage._uploaded.queued is False or calls.log[-1] == "record uploaded"
+        table = stage.table(rows)
+        assert table.tolist() == rows
+        assert stage._uploaded.queued  # this upload is in the stream
+    uploads = [e for e in calls.log if e.endswith("uploaded")]
+    # each upload is synchronized before the next rewrite: sync, record, sync, record, ...
+    assert uploads == ["sync uploaded", "record uploaded"] * 3
+
+
+def test_the_device_buffer_is_reused_only_after_the_copy_that_reads_it():
+    stage, calls = _stage()
+    stage.device_buffer(64)[:] = 7
+    host = stage.to_host(64)
+    assert calls.log[-2:] == ["side waits", "record copied"]
+    stage.device_buffer(64)  # the copy may still be queued: the compute stream waits for it
+    assert calls.log[-1] == "wait copied"
+    stage.wait()
+    assert calls.log[-1] == "sync copied" and host.tolist() == [7] * 64
+    calls.log.clear()
+    stage.device_buffer(64)  # nothing queued any more: no wait
+    assert calls.log == []
+
+
+def test_one_select_uploads_one_table_for_all_its_launches(monkeypatch):
+    """Several variants in one call (so several launches) share one table upload: a second
+    upload would rewrite the pinned table while the first launch's copy may be queued."""
+    uploads = []
+    real = Stage.table
+    monkeypatch.setattr(Stage, "table", lambda self, rows: uploads.append(len(rows)) or real(self, rows))
+    monkeypatch.setattr(fibre_triton, "CPU_TENSORS", True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if fibre_triton._triton() is None:
+        import pytest
+        pytest.skip("triton is not installed")
+    items = [fibre_triton.Item(torch.randn(4, 64), None, 1), fibre_triton.Item(torch.randn(3, 512), None, 5),
+             fibre_triton.Item(torch.randn(2, 40, 3), torch.randn(2, 40, 3), 2)]
+    got = fibre_triton.select(items, Stage(torch.device("cpu")))
+    assert len(uploads) == 1 and len(got) == 3
+    assert len({fibre_triton.variant(i.x.shape[1], i.k, i.x.dtype, i.grad is not None) for i in items}) == 3
