@@ -772,8 +772,12 @@ def mode(overlap: bool) -> str:
 
 def chart(results: dict, trials: dict, path: Path) -> None:
     """Bars of step speed against DDP dense: --paired's ratio where a system has one, else
-    against DDP dense's own run."""
-    import matplotlib
+    against DDP dense's own run; none, said so, without matplotlib (the report is written)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"e2e benchmark: no chart ({path.name}): matplotlib is not installed", flush=True)
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     speeds = {}

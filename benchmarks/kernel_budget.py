@@ -88,6 +88,8 @@ DENSITY = 0.01
 TARGET = ("cuda", 90, 32)  # an H200: sm_90, warps of 32 threads
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BENCHMARK_SETS = ("resnet50", "vgg16", "bert-base")
+# compression.py's small sets, named only: the GPU check's CPU dry run compiles "dry"
+SMALL_SETS = ("tiny", "dry")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 JOB_SETS = tuple(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
 # --quick: the main job's model (both its sparse tensors), in float32 and bfloat16, with
@@ -322,7 +324,7 @@ def sparse_tensors(name: str, dtype: torch.dtype) -> list[tuple[str, tuple[int, 
         sparse_tensors("digits-cnn", torch.float32)
         # [("features.2.weight", (64, 32, 3, 3), 0.01), ("head.1.weight", (128, 1024), 0.01)]
     """
-    if name in BENCHMARK_SETS:
+    if name in BENCHMARK_SETS + SMALL_SETS:
         # benchmarks/compression.py, beside this script (on sys.path when it runs as a script)
         from compression import GRADIENT_SETS, sparsified
         return [(str(shape), shape, DENSITY) for shape in sparsified(GRADIENT_SETS[name](), dtype)]
@@ -567,7 +569,7 @@ def _parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help=f"a few representative variants: {QUICK_SETS} in {QUICK_DTYPES}, "
                          f"with feedback (--sets and --dtypes still apply)")
-    ap.add_argument("--sets", nargs="+", choices=BENCHMARK_SETS + JOB_SETS,
+    ap.add_argument("--sets", nargs="+", choices=BENCHMARK_SETS + JOB_SETS + SMALL_SETS,
                     help="gradient sets and job configs (default: all)")
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="(default: all)")
     ap.add_argument("--json", type=Path, metavar="PATH", help="write the table here as JSON")
