@@ -206,6 +206,21 @@ def test_one_call_over_many_tensors_equals_one_call_each():
 
 
 @interpreter_only
+def test_one_select_uploads_one_table_for_all_its_launches(monkeypatch):
+    # several variants in one call (so several launches) share one table upload: a second
+    # upload would rewrite the pinned table while the first launch's copy may be queued
+    uploads = []
+    real = Stage.table
+    monkeypatch.setattr(Stage, "table", lambda self, rows: uploads.append(len(rows)) or real(self, rows))
+    items = [fibre_triton.Item(sample((4, 64), torch.float32, 1), None, 1),
+             fibre_triton.Item(sample((3, 512), torch.float32, 2), None, 5),
+             fibre_triton.Item(sample((2, 40, 3), torch.float32, 3), sample((2, 40, 3), torch.float32, 4), 2)]
+    assert len({fibre_triton.variant(i.x.shape[1], i.k, i.x.dtype, i.grad is not None) for i in items}) == 3
+    got = fibre_triton.select(items, Stage(torch.device("cpu")))
+    assert len(uploads) == 1 and [g.indices.shape[1] for g in got] == [1, 5, 2]
+
+
+@interpreter_only
 def test_a_strided_gradient_is_read_in_place(cpu_kernel):
     # channels_last: the fibres run along the contiguous axis; payloads match the contiguous ones
     g = sample((8, 96, 3, 3), torch.float32, 3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from adtopk_ps.compression import fibre_triton
 from adtopk_ps.compression.staging import Stage
 
 
@@ -89,21 +88,3 @@ def test_the_device_buffer_is_reused_only_after_the_copy_that_reads_it():
     calls.log.clear()
     stage.device_buffer(64)  # nothing queued any more: no wait
     assert calls.log == []
-
-
-def test_one_select_uploads_one_table_for_all_its_launches(monkeypatch):
-    """Several variants in one call (so several launches) share one table upload: a second
-    upload would rewrite the pinned table while the first launch's copy may be queued."""
-    uploads = []
-    real = Stage.table
-    monkeypatch.setattr(Stage, "table", lambda self, rows: uploads.append(len(rows)) or real(self, rows))
-    monkeypatch.setattr(fibre_triton, "CPU_TENSORS", True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if fibre_triton._triton() is None:
-        import pytest
-        pytest.skip("triton is not installed")
-    items = [fibre_triton.Item(torch.randn(4, 64), None, 1), fibre_triton.Item(torch.randn(3, 512), None, 5),
-             fibre_triton.Item(torch.randn(2, 40, 3), torch.randn(2, 40, 3), 2)]
-    got = fibre_triton.select(items, Stage(torch.device("cpu")))
-    assert len(uploads) == 1 and len(got) == 3
-    assert len({fibre_triton.variant(i.x.shape[1], i.k, i.x.dtype, i.grad is not None) for i in items}) == 3
