@@ -206,6 +206,21 @@ def test_one_call_over_many_tensors_equals_one_call_each():
 
 
 @interpreter_only
+@pytest.mark.parametrize("ties", [False, True])
+def test_long_fibres_find_their_slots_a_chunk_at_a_time(ties):
+    # fibres of more than 8,192 entries: the scan runs chunk by chunk, carrying the counts
+    n = 9000
+    assert fibre_triton.variant(n, 90, torch.float32, True).chunks == 2
+    x = sample((2, n), torch.float32, 21, ties=ties)
+    grad = sample((2, n), torch.float32, 22, ties=ties)
+    target, compensated = x.clone(), x + grad
+    got = fibre_triton.select([fibre_triton.Item(target, grad, 90)], Stage(torch.device("cpu")))[0]
+    want = reference(compensated, 90)
+    assert torch.equal(got.indices.long(), want) and same_bits(got.values, compensated.gather(1, want))
+    assert same_bits(target, compensated.scatter(1, want, 0.0))
+
+
+@interpreter_only
 def test_one_select_uploads_one_table_for_all_its_launches(monkeypatch):
     # several variants in one call (so several launches) share one table upload: a second
     # upload would rewrite the pinned table while the first launch's copy may be queued

@@ -60,18 +60,51 @@ def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, AX:
 
 
 @triton.jit
-def _slots(key, kth, k, AX: tl.constexpr):
-    """(selected, slot): the entries above ``kth`` and, of those equal to it, the first by
-    position until k are taken; a selected entry's slot is how many selected entries come
-    before it, so slots follow positions."""
-    d = key - tl.expand_dims(kth, AX)  # the key is not needed after this: its registers are free
-    packed = tl.where(d > 0, 1, tl.where(d == 0, 1 << 16, 0))
-    before = tl.cumsum(packed, AX) - packed
-    need = tl.expand_dims(k - (tl.sum(packed, AX) & 0xFFFF), AX)
+def _packed(key, kth, AX: tl.constexpr):
+    """1 for an entry above ``kth``, 1 << 16 for one equal to it, 0 below: one scan of it
+    counts both, the entries above in the low half and the equal ones in the high half."""
+    d = key - tl.expand_dims(kth, AX)
+    return tl.where(d > 0, 1, tl.where(d == 0, 1 << 16, 0))
+
+
+@triton.jit
+def _take(packed, before, need, AX: tl.constexpr):
+    """(selected, slot) from the packed counts before each entry: the entries above the k-th
+    key and, of those equal to it, the first ``need`` by position; a selected entry's slot is
+    how many selected entries come before it, so slots follow positions."""
+    need = tl.expand_dims(need, AX)
     equal_before = before >> 16
     selected = (packed == 1) | ((packed != 0) & (equal_before < need))
-    slot = (before & 0xFFFF) + tl.minimum(equal_before, need)
-    return selected, slot
+    return selected, (before & 0xFFFF) + tl.minimum(equal_before, need)
+
+
+@triton.jit
+def _slots(key, kth, k, AX: tl.constexpr):
+    """(selected, slot) of a tile held whole (see :func:`_take`)."""
+    packed = _packed(key, kth, AX)  # the key is not needed after this: its registers are free
+    need = k - (tl.sum(packed, AX) & 0xFFFF)
+    return _take(packed, tl.cumsum(packed, AX) - packed, need, AX)
+
+
+@triton.jit
+def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, DT: tl.constexpr, IDT: tl.constexpr,
+          BITS: tl.constexpr, FEEDBACK: tl.constexpr, ASM: tl.constexpr, AX: tl.constexpr):
+    """Write the selected entries' values and positions at their slots (a fibre's t-th at
+    ``R * t`` from its row's start) and zero them in the residual."""
+    chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
+    at = slot * R
+    v_out, i_out = tl.expand_dims(v_row, AX) + at, tl.expand_dims(i_row, AX) + at
+    if ASM:
+        if BITS == 31:
+            _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
+        else:
+            _scatter(v_out, chosen.to(tl.int16, bitcast=True).to(tl.int32), selected, 16)
+        _scatter(i_out, pos + tl.zeros_like(slot), selected, IDT.primitive_bitwidth)
+    else:
+        tl.store(v_out, chosen, mask=selected)
+        tl.store(i_out, (pos + tl.zeros_like(slot)).to(IDT), mask=selected)
+    if FEEDBACK:  # what was sent leaves the residual exactly
+        tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
 
 
 @triton.jit
@@ -104,11 +137,14 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           CONTIG: tl.constexpr, AX: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
+           CONTIG: tl.constexpr, AX: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr,
+           W: tl.constexpr):
     """One tile of fibres: compensate, select each fibre's top k, write values and positions,
     update the residual (see the module docstring and fibre_triton.py). ``AX``: the tile's
     position axis, 1 ([fibre, position]) or 0 ([position, fibre]: strided fibres, whose
-    neighbours in memory are other fibres, so that a thread runs along one fibre)."""
+    neighbours in memory are other fibres, so that a thread runs along one fibre).
+    ``CHUNKS`` > 1: the slots are found a chunk of the tile at a time, so that a long fibre's
+    scan does not hold the whole tile's counts in registers beside its keys."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
@@ -137,20 +173,21 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     key = _key(x, valid, BITS, INF_KEY)
     bad = tl.max(tl.max(key, 1), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    selected, slot = _slots(key, _kth_key(key, k, FB, BN, BITS, AX), k, AX)
-    chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
-    out = a * k * R + j  # each fibre's first output; its t-th is R further on
-    at = slot * R
-    v_out, i_out = tl.expand_dims(v_ptr + out, AX) + at, tl.expand_dims(i_ptr + out, AX) + at
-    if ASM:
-        if BITS == 31:
-            _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
-        else:
-            _scatter(v_out, chosen.to(tl.int16, bitcast=True).to(tl.int32), selected, 16)
-        _scatter(i_out, pos + tl.zeros_like(slot), selected, IDT.primitive_bitwidth)
-    else:
-        tl.store(v_out, chosen, mask=selected)
-        tl.store(i_out, (pos + tl.zeros_like(slot)).to(IDT), mask=selected)
-    if FEEDBACK:  # what was sent leaves the residual exactly
-        tl.store(x_ptrs, tl.zeros_like(chosen), mask=selected)
+    kth = _kth_key(key, k, FB, BN, BITS, AX)
+    v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
+    if CHUNKS == 1:
+        selected, slot = _slots(key, kth, k, AX)
+        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, DT, IDT, BITS, FEEDBACK, ASM, AX)
+    else:  # a long fibre: its slots a chunk at a time, read back from memory (or L2)
+        need = k - tl.sum((key > tl.expand_dims(kth, AX)).to(tl.int32), AX)
+        seen = tl.zeros([FB], dtype=tl.int32)  # the packed counts of the chunks before
+        for c in tl.static_range(CHUNKS):
+            cpos = tl.expand_dims(tl.arange(0, BN // CHUNKS) + c * (BN // CHUNKS), 1 - AX)
+            cvalid = tl.expand_dims(f < fibres, AX) & (cpos < n)
+            cptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, cpos, sxn, CONTIG, AX)
+            packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth, AX)
+            selected, slot = _take(packed, tl.cumsum(packed, AX) - packed + tl.expand_dims(seen, AX),
+                                   need, AX)
+            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, DT, IDT, BITS, FEEDBACK, ASM, AX)
+            seen += tl.sum(packed, AX)
     tl.store(flags + pid, bad.to(tl.uint8))

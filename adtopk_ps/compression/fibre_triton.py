@@ -47,6 +47,7 @@ MAX_N = 32768
 # keys each thread holds: a tile is 32 of them per thread of its warps
 _PER_THREAD = 16
 _MIN_WARPS, _MAX_WARPS = 4, 32
+_CHUNK = 8192  # entries of a long fibre whose slots are found at once
 _STRIDED_TILE = 4096  # entries of a strided variant's tile (its fibres side by side)
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
@@ -96,6 +97,12 @@ class Variant:
     contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
 
     @property
+    def chunks(self) -> int:
+        """How many chunks the kernel finds slots in, one after another: long adjacent fibres
+        (a tile of more than :data:`_CHUNK` entries), whose keys fill the registers."""
+        return max(1, self.bn // _CHUNK) if self.contiguous and self.fb == 1 else 1
+
+    @property
     def transposed(self) -> bool:
         """Whether the tile is [position, fibre]: for strided fibres, whose neighbours in
         memory are other fibres, so that a warp reads them side by side and a thread runs
@@ -113,6 +120,7 @@ class Variant:
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=fb or self.fb,
                     BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
+                    CHUNKS=self.chunks,
                     ASM=not interpreted(),
                     W=_COLUMNS)
 
