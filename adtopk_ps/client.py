@@ -317,13 +317,13 @@ class PSClient:
         waited for)."""
         self.collective(".barrier", {"kind": "barrier"}, release=True).wait(timeout)
 
-    def shutdown(self, timeout: float = 10.0, failed: str | None = None) -> None:
+    def shutdown(self, timeout: float = 10.0, failed: str | None = None, status: int = 1) -> None:
         """Tell the scheduler this worker is done and stop the engine; ``failed``: the error
-        this worker's process ends on, which makes the job fail."""
+        this worker's process ends on, which makes the job fail with ``status``."""
         if self._closed:
             return
         self._closed = True
-        self._engine.stop(timeout, failed)
+        self._engine.stop(timeout, failed, status)
 
     def check(self) -> None:
         """Raise what ended this worker's part in the job (a lost peer, a refused push), if any."""

@@ -167,17 +167,17 @@ class Engine:
             self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
         self._poke()
 
-    def finish(self, failed: str | None = None) -> None:
+    def finish(self, failed: str | None = None, status: int = 1) -> None:
         """Queue this worker's finish, behind every push and request queued before it;
-        ``failed``: the error its process ends on."""
+        ``failed``: the error its process ends on, and the exit status it ends with."""
         with self.lock:
-            self._commands.append((Op.FINISH, 0, {"failed": failed}))
+            self._commands.append((Op.FINISH, 0, {"failed": failed, "status": status}))
         self._poke()
 
-    def stop(self, timeout: float, failed: str | None = None) -> None:
+    def stop(self, timeout: float, failed: str | None = None, status: int = 1) -> None:
         """Finish (if the thread still runs) and wait up to ``timeout`` for the thread to end."""
         if self._thread.is_alive():
-            self.finish(failed)
+            self.finish(failed, status)
             self._thread.join(timeout)
         self._wake_out.close(0)
 
@@ -262,7 +262,7 @@ class Engine:
                     marker = wire.encode(Op.FINISH, sender=self.rank)
                     for sock in servers:
                         send(sock, marker)
-                    link.finish(fields["failed"])
+                    link.finish(fields["failed"], fields["status"])
                     finishing = True
             if finishing and link.shutdown:
                 return

@@ -25,7 +25,7 @@ from .cluster import ClusterConfig, start_role
 from .coordinator import Coordinator, Outgoing
 from .env import EnvError, env_int
 from .liveness import RECONNECT_GRACE, ConnectionTable
-from .transport import WAIT_NOTICE_S, drain, make_socket, register_timeout, send
+from .transport import WAIT_NOTICE_S, drain, exit_status, make_socket, register_timeout, send
 from .wire import Op
 
 log = logging.getLogger("adtopk_ps.scheduler")
@@ -70,6 +70,7 @@ class Scheduler:
         self.started = False
         self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
         self.failures: list[str] = []  # workers whose processes ended on an error
+        self.status = 1  # the exit status of the first of them: the job's
         self.coordinator = Coordinator(
             config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
 
@@ -90,7 +91,7 @@ class Scheduler:
                 for identity, *frames in drain(self.sock):
                     if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
                         self._await_hangups(2.0)  # the shutdown notices leave before we do
-                        return 1 if self.failures else 0
+                        return self.status if self.failures else 0
                 if self.fatal is not None:
                     return self._end_job(*self.fatal)
                 for fd in self.conns.update():
@@ -151,7 +152,8 @@ class Scheduler:
             self._stall(node, msg.extra)
         elif msg.op == Op.FINISH:
             failed = msg.extra.get("failed")
-            return self._finish(node, failed if isinstance(failed, str) else None)
+            return self._finish(node, failed if isinstance(failed, str) else None,
+                                exit_status(msg.extra.get("status")))
         else:
             self._reply(identity, Op.ERROR, message=f"op {msg.op.value!r} is not for the scheduler")
         return False
@@ -308,12 +310,15 @@ class Scheduler:
             else:
                 self._reply(node.identity, Op.STANDIN, **out.fields)
 
-    def _finish(self, node: Node, failed: str | None = None) -> bool:
-        """A node is done; ``failed``: its process is ending on this error, and the job has
-        failed (every role then exits non-zero, naming it)."""
+    def _finish(self, node: Node, failed: str | None = None, status: int = 1) -> bool:
+        """A node is done; ``failed``: its process is ending on this error with exit
+        ``status``, and the job has failed (every role then exits with the first failed
+        worker's status, naming it)."""
         node.finished = True
         self._reply(node.identity, Op.SHUTDOWN)
         if failed:
+            if not self.failures:
+                self.status = status
             self.failures.append(f"{node.label} failed: {failed}")
             log.error("%s failed: %s", node.label, failed)
         else:
@@ -321,14 +326,14 @@ class Scheduler:
         if node.role == "worker":
             self._deliver(self.coordinator.finished(node.rank))
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
-            verdict = {"failed": "; ".join(self.failures)} if self.failures else {}
+            verdict = {"failed": "; ".join(self.failures), "status": self.status} if self.failures else {}
             for n in self.nodes.values():
                 if n.role == "server":
                     n.finished = True
                     self._reply(n.identity, Op.SHUTDOWN, **verdict)
             if self.failures:
                 log.error("all workers finished, %d of them on an error; shutting down with "
-                          "status 1", len(self.failures))
+                          "status %d", len(self.failures), self.status)
             else:
                 log.info("all workers finished; shutting down")
             return True

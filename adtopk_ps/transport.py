@@ -32,6 +32,12 @@ class ClusterError(RuntimeError):
     """The job cannot go on: a peer was lost, the scheduler refused us, or it went silent."""
 
 
+def exit_status(value: object) -> int:
+    """A failed worker's exit status as a message carries it: 1 unless it is one a process
+    can exit with and that reports a failure (1-255)."""
+    return value if type(value) is int and 1 <= value <= 255 else 1
+
+
 _security: dict[int, Security] = {}
 
 
@@ -106,6 +112,7 @@ class SchedulerLink:
         self.progress: dict = {}  # who has registered so far, while we wait for the book
         self.shutdown = False
         self.failed: str | None = None  # with the shutdown: why the job failed, if it did
+        self.status = 1  # and the exit status of the worker that failed first
         self._last_heard = self._last_sent = time.monotonic()
         self._server_id = {"server_id": env_int("PS_SERVER_ID", minimum=0)} \
             if config.role == "server" and os.environ.get("PS_SERVER_ID", "").strip() else {}
@@ -196,6 +203,7 @@ class SchedulerLink:
         elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
             self.failed = msg.extra.get("failed")
+            self.status = exit_status(msg.extra.get("status"))
         return msg
 
     def tick(self, expect_scheduler: bool = True) -> None:
@@ -225,10 +233,10 @@ class SchedulerLink:
         ``withdraw``) gives it up."""
         self._send(Op.BLOCKED, round=reqid, waiting=waiting, withdraw=withdraw)
 
-    def finish(self, failed: str | None = None) -> None:
+    def finish(self, failed: str | None = None, status: int = 1) -> None:
         """Tell the scheduler this node is done, so its going quiet is not a loss; ``failed``:
-        its process is ending on this error (the job then fails)."""
-        self._send(Op.FINISH, **({"failed": failed} if failed else {}))
+        its process is ending on this error with exit ``status`` (the job then fails)."""
+        self._send(Op.FINISH, **({"failed": failed, "status": status} if failed else {}))
 
     def report(self, op: Op, fields: dict) -> None:
         """Tell the scheduler something it should know (a server's stalled rounds)."""

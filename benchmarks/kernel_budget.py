@@ -586,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(main(["--quick", "--json", "budget.json"]))
     """
     args = _parse_args(argv)
+    # the compiling processes compile for a GPU: under the interpreter (a test process's
+    # setting, which they would inherit) there would be nothing to compile
+    os.environ.pop("TRITON_INTERPRET", None)
     if not hasattr(fibre_triton, "variant"):
         raise SystemExit("adtopk_ps.compression.fibre_triton has no variant(): the kernel's "
                          "interface (SIGNATURE, Variant, variant) has not landed")

@@ -100,7 +100,7 @@ class Server:
             if self.link.failed:
                 log.error("server %d: the job failed (%s); shutting down", self.link.rank,
                           self.link.failed)
-                return 1
+                return self.link.status
             log.info("server %d shutting down (%d message(s) rejected)", self.link.rank, self.rejected)
             return 0
         except ClusterError as exc:

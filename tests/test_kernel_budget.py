@@ -16,7 +16,6 @@ from adtopk_ps.compression import fibre_triton
 
 try:
     import triton
-    import triton.language as tl
 except ImportError:
     triton = None
 
@@ -102,26 +101,36 @@ def test_res_usage_by_function():
         "SURFACE": 0, "SAMPLER": 0}}
 
 
-if triton is not None:
-    @triton.jit
-    def _looped(x, out, n, BLOCK: tl.constexpr):
-        offs = tl.arange(0, BLOCK)
-        acc = tl.load(x + offs)
-        for _ in range(n):  # a trip count known only at run time: a loop in the SASS
-            acc = acc * 3 + tl.sum(acc, 0)
-        tl.store(out + offs, acc)
+LOOPED = """
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def _looped(x, out, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.load(x + offs)
+    for _ in range(n):  # a trip count known only at run time: a loop in the SASS
+        acc = acc * 3 + tl.sum(acc, 0)
+    tl.store(out + offs, acc)
+
+compiled = triton.compile(ASTSource(_looped, {"x": "*i32", "out": "*i32", "n": "i32"}, {"BLOCK": 128}),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+open(sys.argv[1], "wb").write(compiled.asm["cubin"])
+"""
 
 
 @needs_triton
-def test_loops_found_in_a_compiled_kernel(tmp_path, monkeypatch):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    compiled = triton.compile(ASTSource(_looped, {"x": "*i32", "out": "*i32", "n": "i32"},
-                                        {"BLOCK": 128}),
-                              target=GPUTarget(*kb.TARGET), options={"num_warps": 4})
-    cubin = tmp_path / "looped.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
+def test_loops_found_in_a_compiled_kernel(tmp_path):
+    # compiled in a process of its own: the interpreter tests set TRITON_INTERPRET in this one
+    cubin, program = tmp_path / "looped.cubin", tmp_path / "looped.py"  # triton.jit reads the source
+    program.write_text(LOOPED)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(program), str(cubin)], capture_output=True, text=True,
+                         timeout=300, env={**env, "TRITON_CACHE_DIR": str(tmp_path / "cache")})
+    assert run.returncode == 0, run.stderr[-2000:]
     instructions, loops = kb.parse_sass(kb.tool("nvdisasm", "-c", cubin))
     assert loops and all(loop.size >= 3 for loop in loops)  # the body: sum, multiply-add, branch
     assert instructions[-1][1] == "EXIT" and not any(t == "NOP" for _, t in instructions[-3:])

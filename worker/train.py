@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
             # DMLC_* variable, or a dataset too small for the workers (every worker finds it)
             print(f"worker: {exc}", file=sys.stderr, flush=True)
-            mark_failed(f"{type(exc).__name__}: {exc}")
+            mark_failed(f"{type(exc).__name__}: {exc}", status=2)
             return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
                                 bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError,

@@ -80,7 +80,8 @@ class Membership:
             self._client = self._parked = None
             self._suspended = False
         for client in clients:
-            client.shutdown(failed=_uncaught[0] if _uncaught else None)
+            client.shutdown(failed=_uncaught[0][0] if _uncaught else None,
+                            status=_uncaught[0][1] if _uncaught else 1)
 
     def client(self, paused_ok: bool = False) -> PSClient:
         """The connection; refused before ``init()`` and, unless ``paused_ok``, while suspended."""
@@ -122,13 +123,14 @@ class Membership:
 
 
 _membership = Membership()
-_uncaught: list[str] = []  # the exception the process is ending on, once there is one
+_uncaught: list[tuple[str, int]] = []  # the error the process ends on, and its exit status
 
 
-def mark_failed(reason: str) -> None:
+def mark_failed(reason: str, status: int = 1) -> None:
     """Say that this process is ending on a failure it handled itself (it prints its error and
     exits non-zero), so that its finish fails the job on every role as an uncaught exception
-    does: the scheduler and the servers then exit non-zero too, naming this worker.
+    does: the scheduler and the servers then exit non-zero too, naming this worker, with
+    ``status``, the worker's own exit status (2: a usage or configuration error).
 
     Example::
 
@@ -136,7 +138,7 @@ def mark_failed(reason: str) -> None:
             mark_failed(f"CheckpointError: {exc}")
             return 1
     """
-    _uncaught.append(reason)
+    _uncaught.append((reason, status))
 
 
 def _note_uncaught_exceptions() -> None:
@@ -147,7 +149,7 @@ def _note_uncaught_exceptions() -> None:
         return
 
     def hook(kind, value, tb):
-        _uncaught.append(f"{kind.__name__}: {value}")
+        _uncaught.append((f"{kind.__name__}: {value}", 1))
         previous(kind, value, tb)
     hook.adtopk_notes = True
     sys.excepthook = hook
