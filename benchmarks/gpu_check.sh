@@ -180,32 +180,30 @@ ended() {  # ended NAME STATUS LIMIT: its status line; a failure noted (kernel_b
     took+=("$name $spent s")
     [ "$status" = 0 ] || failed+=("$name ($2)")
 }
+budgeted() {  # budgeted NAME SECONDS: sets the caller's limit (cut to what is left) and the
+    #           step's start; 1 where no time is left, noted as a failure
+    limit=$(limit_of "$2")
+    if [ "$limit" = 0 ]; then
+        echo "=== $1: not run: the check's time is spent"
+        failed+=("$1 (no time left)")
+        return 1
+    fi
+    began_of[$1]=$(date +%s)
+}
 step() {  # step NAME SECONDS COMMAND...: bounded in time (cut to what is left), streamed, logged
     local name=$1 limit
-    limit=$(limit_of "$2")
+    budgeted "$name" "$2" || return 0
     shift 2
-    if [ "$limit" = 0 ]; then
-        echo "=== $name: not run: the check's time is spent"
-        failed+=("$name (no time left)")
-        return
-    fi
     echo "=== $name (at most $limit s): $*"
-    began_of[$name]=$(date +%s)
     run_step "" "$name" "$limit" "$@"
     ended "$name" $? "$limit"
 }
 background() {  # background NAME SECONDS COMMAND...: as step, beside the next steps, its lines
     #             marked [NAME] as they come; join NAME waits for it
     local name=$1 limit
-    limit=$(limit_of "$2")
+    budgeted "$name" "$2" || return 0
     shift 2
-    if [ "$limit" = 0 ]; then
-        echo "=== $name: not run: the check's time is spent"
-        failed+=("$name (no time left)")
-        return
-    fi
     echo "=== $name (in the background, at most $limit s, its lines marked [$name]): $*"
-    began_of[$name]=$(date +%s)
     run_step "[$name] " "$name" "$limit" "$@" &
     pid_of[$name]=$!
     cap_of[$name]=$limit
