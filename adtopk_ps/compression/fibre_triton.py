@@ -114,11 +114,11 @@ class Variant:
         """How many times the kernel's one loop, the bisection over the key's bits, runs."""
         return _BITS[self.dtype]
 
-    def constants(self, fb: int | None = None) -> dict:
-        """The kernel's constexprs (``fb``: fewer fibres per program, for small tensors)."""
+    def constants(self) -> dict:
+        """The kernel's constexprs."""
         tl = _tl()
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
-                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=fb or self.fb,
+                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb,
                     BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
                     CHUNKS=self.chunks,
                     ASM=not interpreted(),
@@ -219,16 +219,16 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
     launches, starts, spans = _plan_launches(items)
     programs = sum(spans)
     buffer = stage.device_buffer(aligned(flags_at + programs))
-    first_of = {i: first for _, members, _, first in launches for i in members}
+    first_of = {i: first for _, members, first in launches for i in members}
     rows = [value for i, item in enumerate(items)
             for value in _row(item, layout[i], buffer, starts[i] - first_of[i])]
-    owners = [i for _, members, _, _ in launches for i in members for _ in range(spans[i])]
+    owners = [i for _, members, _ in launches for i in members for _ in range(spans[i])]
     table = stage.table(rows + owners)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        for v, members, fb, first in launches:
+        for v, members, first in launches:
             count = sum(spans[i] for i in members)
             kernel[(count,)](table, len(rows) + first, buffer[flags_at + first:],
-                             **v.constants(fb), num_warps=v.warps,
+                             **v.constants(), num_warps=v.warps,
                              enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
     host = stage.to_host(aligned(flags_at + programs))
     stage.wait()
@@ -263,10 +263,12 @@ def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]]
     return layout, at
 
 
-def _plan_launches(items: list[Item]) -> tuple[list[tuple[Variant, list[int], int, int]], list[int], list[int]]:
-    """One launch per variant: (variant, its items, fibres per program, its first program);
-    each item's first program and number of programs. Programs are numbered across
-    launches, so that item i owns flags[starts[i]:starts[i] + spans[i]]."""
+def _plan_launches(items: list[Item]) -> tuple[list[tuple[Variant, list[int], int]], list[int], list[int]]:
+    """One launch per variant: (variant, its items, its first program); each item's first
+    program and number of programs. Programs are numbered across launches, so that item i
+    owns flags[starts[i]:starts[i] + spans[i]]. A variant's tile is the same for every
+    tensor (a small tensor's last program is mostly padding), so what runs is what
+    benchmarks/kernel_budget.py compiles."""
     groups: dict[Variant, list[int]] = {}
     for i, item in enumerate(items):
         adjacent = all(_in_fours(_three_d(t)) for t in (item.x, item.grad) if t is not None)
@@ -274,11 +276,9 @@ def _plan_launches(items: list[Item]) -> tuple[list[tuple[Variant, list[int], in
         groups.setdefault(v, []).append(i)
     launches, starts, spans, programs = [], [0] * len(items), [0] * len(items), 0
     for v, members in groups.items():
-        most = max(_fibres(items[i].x) for i in members)  # a small tensor: a smaller tile
-        fb = min(v.fb, 1 << max(0, (most - 1).bit_length()))
-        launches.append((v, members, fb, programs))
+        launches.append((v, members, programs))
         for i in members:
-            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // fb)
+            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // v.fb)
             programs += spans[i]
     return launches, starts, spans
 
