@@ -194,6 +194,7 @@ def test_tensors_the_wire_cannot_carry_are_refused_by_name_and_the_worker_goes_o
     assert torch.equal(bps.allreduce(torch.ones(2), name="after"), torch.ones(2))
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_zero_size_parameters_train_under_adtopk(session):
     """Layers of width 0 ((0, 64), (8, 0): a pruned layer, a config of 0 hidden units) have
     fibres of no entries: they travel empty and the rest of the model trains."""
