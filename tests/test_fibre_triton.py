@@ -235,6 +235,20 @@ def test_one_select_uploads_one_table_for_all_its_launches(monkeypatch):
     assert len(uploads) == 1 and [g.indices.shape[1] for g in got] == [1, 5, 2]
 
 
+def test_launches_go_to_the_tensors_own_device(monkeypatch):
+    # a tensor on cuda:1 with cuda:0 current: the launch is made inside that device's context
+    guard = fibre_triton.on_device(torch.device("cuda", 1))
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    if not INTERPRETED:
+        return
+    seen = []
+    real = fibre_triton.on_device
+    monkeypatch.setattr(fibre_triton, "on_device", lambda device: seen.append(device) or real(device))
+    fibre_triton.select([fibre_triton.Item(sample((3, 64), torch.float32, 5), None, 2)],
+                        Stage(torch.device("cpu")))
+    assert seen == [torch.device("cpu")]
+
+
 @interpreter_only
 def test_a_strided_gradient_is_read_in_place(cpu_kernel):
     # channels_last: the fibres run along the contiguous axis; payloads match the contiguous ones

@@ -224,7 +224,7 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
             for value in _row(item, layout[i], buffer, starts[i] - first_of[i])]
     owners = [i for _, members, _ in launches for i in members for _ in range(spans[i])]
     table = stage.table(rows + owners)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    with on_device(device):
         for v, members, first in launches:
             count = sum(spans[i] for i in members)
             kernel[(count,)](table, len(rows) + first, buffer[flags_at + first:],
@@ -235,6 +235,18 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
     return [_result(item, layout[i], buffer, host,
                     bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any()))
             for i, item in enumerate(items)]
+
+
+def on_device(device: torch.device):
+    """A context in which kernels launch on ``device``: Triton launches on the current CUDA
+    device, which for a tensor on ``cuda:1`` need not be its own.
+
+    Example::
+
+        with on_device(torch.device("cuda", 1)):
+            ...  # launches go to GPU 1
+    """
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]], int]:
