@@ -3,12 +3,12 @@ and a resume from the newest step every worker holds intact.
 
 Each worker keeps its own files, ``worker{rank}-step{step:08d}.pt`` in checkpoint_file.py's
 format, in its ``--checkpoint-dir`` (on its own disk, or in a folder the workers share).
-Saving step N (:func:`commit`):
+Saving step N (:meth:`Checkpoints.commit`):
 
 1. every worker writes its file; a write that fails (a full disk) leaves no temporary file;
 2. the workers tell each other whether their write worked: step N is committed only when
    every worker has written it. Each records the commit in ``worker{rank}.commit`` and only
-   then removes its generations beyond the newest ``keep``;
+   then removes its committed generations beyond the newest ``keep``;
 3. a write that failed on any worker ends the job on every worker with one message naming
    the worker, the file and the error. Nothing is removed before a newer step is committed,
    so a full disk costs at most the steps since the last commit.
@@ -220,15 +220,20 @@ def decide(findings: list[Finding], total: int) -> tuple[int | None, list[str], 
     raise CheckpointError(REFUSED + "\n  ".join(problems))
 
 
+def _last_record(findings: list[Finding]) -> int | None:
+    """The newest step any worker's commit record names."""
+    return max((f.committed for f in findings if f.committed is not None), default=None)
+
+
 def _never_committed(findings: list[Finding]) -> bool:
     held = [s for f in findings for s in f.held]
-    records = [f.committed for f in findings if f.committed is not None]
-    return not held or not records or max(records) < min(held)
+    last = _last_record(findings)
+    return not held or last is None or last < min(held)
 
 
 def _last_commit(findings: list[Finding]) -> str:
-    records = [f.committed for f in findings if f.committed is not None]
-    return f" (step {max(records)} was committed)" if records else ""
+    last = _last_record(findings)
+    return f" (step {last} was committed)" if last is not None else ""
 
 
 def _holding(f: Finding) -> str:

@@ -235,16 +235,12 @@ def main(argv: list[str] | None = None) -> int:
         end_progress_lines()  # an error never shares a line with the bar
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
             # DMLC_* variable, or a dataset too small for the workers (every worker finds it)
-            print(f"worker: {exc}", file=sys.stderr, flush=True)
-            mark_failed(f"{type(exc).__name__}: {exc}", status=2)
-            return 2
+            return ended_on(exc, 2, str(exc))
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
                                 bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError,
                                 OutputError, PushPullError)):
             raise
-        print(f"worker: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        mark_failed(f"{type(exc).__name__}: {exc}")
-        return 1
+        return ended_on(exc, 1)
     if summary["rank"] == 0:
         print("summary: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                      for k, v in summary.items()), flush=True)
@@ -252,7 +248,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 write_summary(args.metrics_out, summary)
             except OutputError as exc:
-                print(f"worker: OutputError: {exc}", file=sys.stderr, flush=True)
-                mark_failed(f"OutputError: {exc}")
-                return 1
+                return ended_on(exc, 1)
     return 0
+
+
+def ended_on(exc: BaseException, status: int, line: str | None = None) -> int:
+    """The job's one line for the error it ends on (``line``, or the error's type and text),
+    and ``status`` for it to exit with; the scheduler and the servers are told, so that they
+    exit with it too (role mode)."""
+    named = f"{type(exc).__name__}: {exc}"
+    print(f"worker: {line or named}", file=sys.stderr, flush=True)
+    mark_failed(named, status)
+    return status

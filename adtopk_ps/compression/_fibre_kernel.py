@@ -87,8 +87,8 @@ def _slots(key, kth, k, AX: tl.constexpr):
 
 
 @triton.jit
-def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, DT: tl.constexpr, IDT: tl.constexpr,
-          BITS: tl.constexpr, FEEDBACK: tl.constexpr, ASM: tl.constexpr, AX: tl.constexpr):
+def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT: tl.constexpr, BITS: tl.constexpr,
+          FEEDBACK: tl.constexpr, ASM: tl.constexpr, AX: tl.constexpr):
     """Write the selected entries' values and positions at their slots (a fibre's t-th at
     ``R * t`` from its row's start) and zero them in the residual."""
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
@@ -110,11 +110,12 @@ def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, DT: tl.constexpr, IDT: t
 @triton.jit
 def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr, AX: tl.constexpr):
     """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; where
-    ``CONTIG`` (the host checked: adjacent, 16-byte aligned, n a multiple of 4; AX 1) four at
-    a time."""
+    ``CONTIG`` (the host checked: adjacent, a 16-byte aligned tensor, n and the fibres' starts
+    multiples of 4 entries; AX 1) four at a time. The hints are in bytes: four entries."""
     if CONTIG:
-        ptrs = tl.multiple_of(fibre, 16)[:, None] + pos
-        return tl.max_contiguous(tl.multiple_of(ptrs, [1, 16]), [1, 4])
+        ALIGN: tl.constexpr = 4 * (fibre.dtype.element_ty.primitive_bitwidth // 8)
+        ptrs = tl.multiple_of(fibre, ALIGN)[:, None] + pos
+        return tl.max_contiguous(tl.multiple_of(ptrs, [1, ALIGN]), [1, 4])
     return tl.expand_dims(fibre, AX) + pos * stride.to(tl.int32)
 
 
@@ -163,7 +164,8 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
         n = tl.multiple_of(n, 4)
     valid = tl.expand_dims(f < fibres, AX) & (pos < n)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
-    x_ptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, pos, sxn, CONTIG, AX)
+    x_row = x_ptr + a * sxa + j * sxr
+    x_ptrs = _fibre_ptrs(x_row, pos, sxn, CONTIG, AX)
     x = tl.load(x_ptrs, mask=valid, other=0.0)
     if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
@@ -177,17 +179,17 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
     if CHUNKS == 1:
         selected, slot = _slots(key, kth, k, AX)
-        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, DT, IDT, BITS, FEEDBACK, ASM, AX)
+        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, AX)
     else:  # a long fibre: its slots a chunk at a time, read back from memory (or L2)
         need = k - tl.sum((key > tl.expand_dims(kth, AX)).to(tl.int32), AX)
         seen = tl.zeros([FB], dtype=tl.int32)  # the packed counts of the chunks before
         for c in tl.static_range(CHUNKS):
             cpos = tl.expand_dims(tl.arange(0, BN // CHUNKS) + c * (BN // CHUNKS), 1 - AX)
             cvalid = tl.expand_dims(f < fibres, AX) & (cpos < n)
-            cptrs = _fibre_ptrs(x_ptr + a * sxa + j * sxr, cpos, sxn, CONTIG, AX)
+            cptrs = _fibre_ptrs(x_row, cpos, sxn, CONTIG, AX)
             packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth, AX)
             selected, slot = _take(packed, tl.cumsum(packed, AX) - packed + tl.expand_dims(seen, AX),
                                    need, AX)
-            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, DT, IDT, BITS, FEEDBACK, ASM, AX)
+            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, AX)
             seen += tl.sum(packed, AX)
     tl.store(flags + pid, bad.to(tl.uint8))

@@ -116,18 +116,11 @@ class Variant:
 
     def constants(self) -> dict:
         """The kernel's constexprs."""
-        tl = _tl()
+        tl = _triton()[1]
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
-                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb,
-                    BN=self.bn, FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
-                    CHUNKS=self.chunks,
-                    ASM=not interpreted(),
-                    W=_COLUMNS)
-
-
-def _tl():
-    import triton.language as tl
-    return tl
+                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, BN=self.bn,
+                    FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
+                    CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
 
 
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:

@@ -79,9 +79,9 @@ class Membership:
             clients = [c for c in (self._client, self._parked) if c is not None]
             self._client = self._parked = None
             self._suspended = False
+        failed, status = _uncaught[0] if _uncaught else (None, 1)
         for client in clients:
-            client.shutdown(failed=_uncaught[0][0] if _uncaught else None,
-                            status=_uncaught[0][1] if _uncaught else 1)
+            client.shutdown(failed=failed, status=status)
 
     def client(self, paused_ok: bool = False) -> PSClient:
         """The connection; refused before ``init()`` and, unless ``paused_ok``, while suspended."""
