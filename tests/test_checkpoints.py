@@ -147,7 +147,8 @@ def test_the_newest_step_every_worker_holds_is_resumed_and_what_was_passed_over_
     assert step == 10 and notes[1:] == ["worker 1's /ckpt/worker1-step00000020.pt is damaged "
                                         "(checksum mismatch)",
                                         "step 20 was committed, but not every worker still holds it intact"]
-    assert checkpoint.decide([_found(0), Finding(1, "", {})], 100) == (None, [], [])
+    assert checkpoint.decide([_found(0), _found(1)], 100) == (None, [], [])
+    assert checkpoint.decide([Finding(0, "", {}), Finding(1, "", {})], 100) == (None, [], [])
 
 
 def test_files_no_worker_can_have_committed_are_passed_over_for_a_fresh_start():
@@ -172,6 +173,9 @@ def test_what_cannot_resume_one_job_is_refused_naming_each_worker_and_file():
                                                                       _found(1, committed=20)])
     assert "worker 0 holds step(s) 20 (/ckpt); worker 1 has no --checkpoint-dir" in \
         refused([_found(0, 20, committed=20), Finding(1, "", {})])
+    # with nothing held either: each commit would wait for the workers that never commit
+    assert "--checkpoint-dir is given to some workers only: worker 0 has /ckpt; worker 1 has none" \
+        in refused([_found(0), Finding(1, "", {})])
     assert "worker 0 holds step(s) 10, 20 (/ckpt); worker 1 holds step(s) 25" in \
         refused([_found(0, 10, 20, committed=10), _found(1, 25, committed=10)])
     empty = ("/ckpt/worker1-step00000020.pt", "damaged", "empty file (0 bytes)")

@@ -211,7 +211,12 @@ def decide(findings: list[Finding], total: int) -> tuple[int | None, list[str], 
                     f"job's {total} steps: nothing left to train (raise --steps, or remove the "
                     f"checkpoints to start over)" for f in findings]
     elif not problems and not any(f.faults for f in findings) and _never_committed(findings):
-        return None, _passed_over(findings, []), []
+        if len({bool(f.folder) for f in findings}) == 1:
+            return None, _passed_over(findings, []), []
+        # a fresh start where only some workers save: they would wait in every commit
+        problems = ["--checkpoint-dir is given to some workers only: " + "; ".join(
+            f"worker {f.rank} has {f.folder or 'none'}" for f in findings)
+            + "; give it to every worker or to none"]
     elif not problems:
         problems = [f"worker {f.rank}: {file} is damaged: {why}" for f in findings for file, _, why in f.faults]
         problems.append("no step is held intact by every worker: " + "; ".join(map(_holding, findings))
