@@ -45,55 +45,102 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, AX: tl.constexpr):
+def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, RUNS: tl.constexpr,
+             ASM: tl.constexpr):
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
-    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs. ``AX``: the
-    tile's position axis."""
+    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs."""
     kth = tl.zeros([FB], dtype=tl.int32)
     for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
         cand = kth | (1 << (BITS - 1 - i))
-        # (key - cand) >> 31 is -1 below cand and 0 from it (keys and cand are below 2**31):
-        # a subtract and a shifted add an entry, where a compare's 0/1 costs more
-        below = -tl.sum((key - tl.expand_dims(cand, AX)) >> 31, AX)
+        if ASM:
+            below = _along(_below(key, _across(cand, RUNS)), RUNS)
+        else:  # (key - cand) >> 31: -1 below cand, 0 from it (keys and cand are below 2**31)
+            below = -_along((key - _across(cand, RUNS)) >> 31, RUNS)
         kth = tl.where(BN - below >= k, cand, kth)
     return kth
 
 
 @triton.jit
-def _packed(key, kth, AX: tl.constexpr):
+def _along(x, RUNS: tl.constexpr):
+    """The sum of ``x`` along each fibre: one entry a fibre. With ``RUNS`` the tile is
+    [R, FB, T, 4]: a thread's R x 4 entries first, then across the fibre's T threads;
+    without, [BN, FB]."""
+    if RUNS:
+        return tl.sum(tl.sum(tl.sum(x, 3), 0), 1)
+    else:
+        return tl.sum(x, 0)
+
+
+@triton.jit
+def _across(v, RUNS: tl.constexpr):
+    """``v`` (one entry a fibre) spread over the tile's positions."""
+    if RUNS:
+        return v[None, :, None, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
+def _before(x, RUNS: tl.constexpr):
+    """The sum of ``x`` over the entries before each, in the fibre's position order. With
+    ``RUNS`` a thread holds adjacent entries, so only one count a thread crosses threads."""
+    if RUNS:
+        thread = tl.sum(tl.sum(x, 3), 0)
+        return _in_thread(x) + (tl.cumsum(thread, 1) - thread)[None, :, :, None]
+    else:
+        return tl.cumsum(x, 0) - x
+
+
+@triton.jit
+def _in_thread(x):
+    """The sum of ``x`` over the entries before each among its thread's own (a [R, FB, T, 4]
+    tile: runs of 4, then R of them)."""
+    run = tl.sum(x, 3)
+    return (tl.cumsum(x, 3) - x) + (tl.cumsum(run, 0) - run)[:, :, :, None]
+
+
+@triton.jit
+def _below(key, cand):
+    """1 where ``key < cand``, else 0: the sign bit of their difference, in PTX, so that
+    ptxas folds it with the sum's add (LLVM would turn it into a compare and a select)."""
+    return tl.inline_asm_elementwise("{ .reg .b32 d; sub.s32 d, $1, $2; shr.u32 $0, d, 31; }", "=r,r,r",
+                                     [key, cand + tl.zeros_like(key)], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _packed(key, kth):
     """1 for an entry above ``kth``, 1 << 16 for one equal to it, 0 below: one scan of it
     counts both, the entries above in the low half and the equal ones in the high half."""
-    d = key - tl.expand_dims(kth, AX)
+    d = key - kth
     return tl.where(d > 0, 1, tl.where(d == 0, 1 << 16, 0))
 
 
 @triton.jit
-def _take(packed, before, need, AX: tl.constexpr):
+def _take(packed, before, need):
     """(selected, slot) from the packed counts before each entry: the entries above the k-th
     key and, of those equal to it, the first ``need`` by position; a selected entry's slot is
     how many selected entries come before it, so slots follow positions."""
-    need = tl.expand_dims(need, AX)
     equal_before = before >> 16
     selected = (packed == 1) | ((packed != 0) & (equal_before < need))
     return selected, (before & 0xFFFF) + tl.minimum(equal_before, need)
 
 
 @triton.jit
-def _slots(key, kth, k, AX: tl.constexpr):
+def _slots(key, kth, k, RUNS: tl.constexpr):
     """(selected, slot) of a tile held whole (see :func:`_take`)."""
-    packed = _packed(key, kth, AX)  # the key is not needed after this: its registers are free
-    need = k - (tl.sum(packed, AX) & 0xFFFF)
-    return _take(packed, tl.cumsum(packed, AX) - packed, need, AX)
+    packed = _packed(key, _across(kth, RUNS))  # the key is not needed after this
+    need = k - (_along(packed, RUNS) & 0xFFFF)
+    return _take(packed, _before(packed, RUNS), _across(need, RUNS))
 
 
 @triton.jit
 def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT: tl.constexpr, BITS: tl.constexpr,
-          FEEDBACK: tl.constexpr, ASM: tl.constexpr, AX: tl.constexpr):
+          FEEDBACK: tl.constexpr, ASM: tl.constexpr, RUNS: tl.constexpr):
     """Write the selected entries' values and positions at their slots (a fibre's t-th at
     ``R * t`` from its row's start) and zero them in the residual."""
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
     at = slot * R
-    v_out, i_out = tl.expand_dims(v_row, AX) + at, tl.expand_dims(i_row, AX) + at
+    v_out, i_out = _across(v_row, RUNS) + at, _across(i_row, RUNS) + at
     if ASM:
         if BITS == 31:
             _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
@@ -108,15 +155,29 @@ def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT: tl.constexpr, BITS:
 
 
 @triton.jit
-def _fibre_ptrs(fibre, pos, stride, CONTIG: tl.constexpr, AX: tl.constexpr):
-    """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; where
-    ``CONTIG`` (the host checked: adjacent, a 16-byte aligned tensor, n and the fibres' starts
-    multiples of 4 entries; AX 1) four at a time. The hints are in bytes: four entries."""
-    if CONTIG:
+def _fibre_ptrs(fibre, pos, stride, RUNS: tl.constexpr):
+    """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; with
+    ``RUNS`` (the host checked: adjacent, a 16-byte aligned tensor, n and the fibres' starts
+    multiples of 4 entries) four at a time. The hints are in bytes: four entries."""
+    if RUNS:
         ALIGN: tl.constexpr = 4 * (fibre.dtype.element_ty.primitive_bitwidth // 8)
-        ptrs = tl.multiple_of(fibre, ALIGN)[:, None] + pos
-        return tl.max_contiguous(tl.multiple_of(ptrs, [1, ALIGN]), [1, 4])
-    return tl.expand_dims(fibre, AX) + pos * stride.to(tl.int32)
+        ptrs = _across(tl.multiple_of(fibre, ALIGN), RUNS) + pos
+        ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 1, 1, ALIGN]), [1, 1, 1, 4])
+    else:
+        ptrs = _across(fibre, RUNS) + pos * stride.to(tl.int32)
+    return ptrs
+
+
+@triton.jit
+def _positions(first, RC: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr):
+    """The positions of a tile: with ``RUNS``, [RC, 1, BN // RUNS, 4], thread t's entries
+    ``t * RUNS + r * 4 + (0..3)`` for RC values of r from ``first``; else [BN, 1]."""
+    if RUNS:
+        pos = (tl.arange(0, RC)[:, None, None, None] + first) * 4 + \
+            tl.arange(0, BN // RUNS)[None, None, :, None] * RUNS + tl.arange(0, 4)[None, None, None, :]
+    else:
+        pos = tl.arange(0, BN)[:, None]
+    return pos
 
 
 @triton.jit
@@ -138,14 +199,17 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           CONTIG: tl.constexpr, AX: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr,
-           W: tl.constexpr):
+           RUNS: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
     """One tile of fibres: compensate, select each fibre's top k, write values and positions,
-    update the residual (see the module docstring and fibre_triton.py). ``AX``: the tile's
-    position axis, 1 ([fibre, position]) or 0 ([position, fibre]: strided fibres, whose
-    neighbours in memory are other fibres, so that a thread runs along one fibre).
-    ``CHUNKS`` > 1: the slots are found a chunk of the tile at a time, so that a long fibre's
-    scan does not hold the whole tile's counts in registers beside its keys."""
+    update the residual (see the module docstring and fibre_triton.py).
+
+    ``RUNS`` > 0 (adjacent fibres): each thread holds that many adjacent entries of one
+    fibre, the tile [RUNS // 4, FB, BN // RUNS, 4], so that a fibre's sums and scan cross
+    threads with one count a thread. ``RUNS`` 0 (strided fibres, whose neighbours in memory
+    are other fibres): the tile is [BN, FB], a warp's lanes across fibres side by side and
+    each thread along one. ``CHUNKS`` > 1: the slots are found a chunk of each thread's run
+    at a time, read back from memory (or L2), so that a long fibre's scan does not hold
+    the whole tile's counts in registers beside its keys."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
@@ -159,37 +223,43 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     k, R = k.to(tl.int32), R.to(tl.int32)
     f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
     a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
-    pos = tl.expand_dims(tl.arange(0, BN), 1 - AX)
-    if CONTIG:
+    if RUNS:
         n = tl.multiple_of(n, 4)
-    valid = tl.expand_dims(f < fibres, AX) & (pos < n)
+    pos = _positions(0, RUNS // 4, RUNS, BN)
+    valid = _across(f < fibres, RUNS) & (pos < n)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
     x_row = x_ptr + a * sxa + j * sxr
-    x_ptrs = _fibre_ptrs(x_row, pos, sxn, CONTIG, AX)
+    x_ptrs = _fibre_ptrs(x_row, pos, sxn, RUNS)
     x = tl.load(x_ptrs, mask=valid, other=0.0)
     if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, CONTIG, AX)
+        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, RUNS)
         x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
         tl.store(x_ptrs, x, mask=valid)
     key = _key(x, valid, BITS, INF_KEY)
-    bad = tl.max(tl.max(key, 1), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
+    if RUNS:
+        largest = tl.max(tl.max(tl.max(tl.max(key, 3), 0), 1), 0)
+    else:
+        largest = tl.max(tl.max(key, 1), 0)
+    bad = largest >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    kth = _kth_key(key, k, FB, BN, BITS, AX)
+    kth = _kth_key(key, k, FB, BN, BITS, RUNS, ASM)
     v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
     if CHUNKS == 1:
-        selected, slot = _slots(key, kth, k, AX)
-        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, AX)
-    else:  # a long fibre: its slots a chunk at a time, read back from memory (or L2)
-        need = k - tl.sum((key > tl.expand_dims(kth, AX)).to(tl.int32), AX)
-        seen = tl.zeros([FB], dtype=tl.int32)  # the packed counts of the chunks before
+        selected, slot = _slots(key, kth, k, RUNS)
+        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, RUNS)
+    else:  # a long fibre: a thread's counts first, then its slots a chunk of its run at a time
+        kth = _across(kth, RUNS)
+        thread = tl.sum(tl.sum(_packed(key, kth), 3), 0)  # the key is not needed after this
+        need = _across(k - (tl.sum(thread, 1) & 0xFFFF), RUNS)
+        seen = tl.cumsum(thread, 1) - thread  # the packed counts of the threads and chunks before
+        RC: tl.constexpr = RUNS // 4 // CHUNKS
         for c in tl.static_range(CHUNKS):
-            cpos = tl.expand_dims(tl.arange(0, BN // CHUNKS) + c * (BN // CHUNKS), 1 - AX)
-            cvalid = tl.expand_dims(f < fibres, AX) & (cpos < n)
-            cptrs = _fibre_ptrs(x_row, cpos, sxn, CONTIG, AX)
-            packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth, AX)
-            selected, slot = _take(packed, tl.cumsum(packed, AX) - packed + tl.expand_dims(seen, AX),
-                                   need, AX)
-            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, AX)
-            seen += tl.sum(packed, AX)
+            cpos = _positions(c * RC, RC, RUNS, BN)
+            cvalid = _across(f < fibres, RUNS) & (cpos < n)
+            cptrs = _fibre_ptrs(x_row, cpos, sxn, RUNS)
+            packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth)
+            selected, slot = _take(packed, _in_thread(packed) + seen[None, :, :, None], need)
+            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, RUNS)
+            seen += tl.sum(tl.sum(packed, 3), 0)
     tl.store(flags + pid, bad.to(tl.uint8))

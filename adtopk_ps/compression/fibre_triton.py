@@ -46,8 +46,10 @@ _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x
 MAX_N = 32768
 # keys each thread holds: a tile is 32 of them per thread of its warps
 _PER_THREAD = 16
+# adjacent entries of one fibre each thread holds in a contiguous variant: a fibre's sums and
+# scan cross threads once a thread; a fibre longer than a program of _RUN_WARPS holds takes more
+_RUN, _RUN_WARPS = 32, 16
 _MIN_WARPS, _MAX_WARPS = 4, 32
-_CHUNK = 8192  # entries of a long fibre whose slots are found at once
 _STRIDED_TILE = 4096  # entries of a strided variant's tile (its fibres side by side)
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
@@ -95,12 +97,13 @@ class Variant:
     bn: int  # tile columns: a power of two >= n
     warps: int
     contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
+    runs: int = 0  # adjacent entries of one fibre a thread holds (0: a plain tile)
 
     @property
     def chunks(self) -> int:
-        """How many chunks the kernel finds slots in, one after another: long adjacent fibres
-        (a tile of more than :data:`_CHUNK` entries), whose keys fill the registers."""
-        return max(1, self.bn // _CHUNK) if self.contiguous and self.fb == 1 else 1
+        """How many chunks of each thread's run the kernel finds slots in, one after another:
+        long adjacent fibres, whose keys fill the registers (more than :data:`_RUN` a thread)."""
+        return max(1, self.runs // _RUN)
 
     @property
     def transposed(self) -> bool:
@@ -119,8 +122,7 @@ class Variant:
         tl = _triton()[1]
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, BN=self.bn,
-                    FEEDBACK=self.feedback, CONTIG=self.contiguous, AX=0 if self.transposed else 1,
-                    CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
+                    FEEDBACK=self.feedback, RUNS=self.runs, CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
 
 
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
@@ -135,7 +137,10 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
         return None
     bn = 1 << max(1, (n - 1).bit_length())
     if contiguous:
-        tile = max(bn, 32 * _MIN_WARPS * _PER_THREAD)
+        runs = max(_RUN, bn // (32 * _RUN_WARPS))
+        tile = max(bn, 32 * _MIN_WARPS * runs)
+        return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, tile // (32 * runs),
+                       contiguous, runs)
     else:  # strided: a warp's width of fibres side by side, more where they are short
         tile = bn * max(1, min(32, _STRIDED_TILE // bn), 32 * _MIN_WARPS * _PER_THREAD // bn)
     warps = min(_MAX_WARPS, max(_MIN_WARPS, tile // (32 * _PER_THREAD)))
