@@ -45,56 +45,51 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, RUNS: tl.constexpr,
-             ASM: tl.constexpr):
+def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
     count(key >= T) >= k. A loop (not unrolled): its body is what a step costs."""
     kth = tl.zeros([FB], dtype=tl.int32)
     for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
         cand = kth | (1 << (BITS - 1 - i))
         if ASM:
-            below = _along(_below(key, _across(cand, RUNS)), RUNS)
+            below = _along(_below(key, _across(cand)))
         else:  # (key - cand) >> 31: -1 below cand, 0 from it (keys and cand are below 2**31)
-            below = -_along((key - _across(cand, RUNS)) >> 31, RUNS)
+            below = -_along((key - _across(cand)) >> 31)
         kth = tl.where(BN - below >= k, cand, kth)
     return kth
 
 
 @triton.jit
-def _along(x, RUNS: tl.constexpr):
-    """The sum of ``x`` along each fibre: one entry a fibre. With ``RUNS`` the tile is
-    [R, FB, T, 4]: a thread's R x 4 entries first, then across the fibre's T threads;
-    without, [BN, FB]."""
-    if RUNS:
-        return tl.sum(tl.sum(tl.sum(x, 3), 0), 1)
-    else:
-        return tl.sum(x, 0)
+def _along(x):
+    """The sum of ``x`` (a [R, FB, T, VEC] tile) along each fibre: one entry a fibre; a
+    thread's own entries first, then across the fibre's T threads."""
+    return tl.sum(tl.sum(tl.sum(x, 3), 0), 1)
 
 
 @triton.jit
-def _across(v, RUNS: tl.constexpr):
+def _along_max(x):
+    """The largest of ``x`` along each fibre (see :func:`_along`)."""
+    return tl.max(tl.max(tl.max(x, 3), 0), 1)
+
+
+@triton.jit
+def _across(v):
     """``v`` (one entry a fibre) spread over the tile's positions."""
-    if RUNS:
-        return v[None, :, None, None]
-    else:
-        return v[None, :]
+    return v[None, :, None, None]
 
 
 @triton.jit
-def _before(x, RUNS: tl.constexpr):
-    """The sum of ``x`` over the entries before each, in the fibre's position order. With
-    ``RUNS`` a thread holds adjacent entries, so only one count a thread crosses threads."""
-    if RUNS:
-        thread = tl.sum(tl.sum(x, 3), 0)
-        return _in_thread(x) + (tl.cumsum(thread, 1) - thread)[None, :, :, None]
-    else:
-        return tl.cumsum(x, 0) - x
+def _before(x):
+    """The sum of ``x`` over the entries before each, in the fibre's position order: a
+    thread holds adjacent positions, so only one count a thread crosses threads."""
+    thread = tl.sum(tl.sum(x, 3), 0)
+    return _in_thread(x) + (tl.cumsum(thread, 1) - thread)[None, :, :, None]
 
 
 @triton.jit
 def _in_thread(x):
-    """The sum of ``x`` over the entries before each among its thread's own (a [R, FB, T, 4]
-    tile: runs of 4, then R of them)."""
+    """The sum of ``x`` over the entries before each among its thread's own (a [R, FB, T, VEC]
+    tile: runs of VEC, then R of them)."""
     run = tl.sum(x, 3)
     return (tl.cumsum(x, 3) - x) + (tl.cumsum(run, 0) - run)[:, :, :, None]
 
@@ -126,21 +121,21 @@ def _take(packed, before, need):
 
 
 @triton.jit
-def _slots(key, kth, k, RUNS: tl.constexpr):
+def _slots(key, kth, k):
     """(selected, slot) of a tile held whole (see :func:`_take`)."""
-    packed = _packed(key, _across(kth, RUNS))  # the key is not needed after this
-    need = k - (_along(packed, RUNS) & 0xFFFF)
-    return _take(packed, _before(packed, RUNS), _across(need, RUNS))
+    packed = _packed(key, _across(kth))  # the key is not needed after this
+    need = k - (_along(packed) & 0xFFFF)
+    return _take(packed, _before(packed), _across(need))
 
 
 @triton.jit
 def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT: tl.constexpr, BITS: tl.constexpr,
-          FEEDBACK: tl.constexpr, ASM: tl.constexpr, RUNS: tl.constexpr):
+          FEEDBACK: tl.constexpr, ASM: tl.constexpr):
     """Write the selected entries' values and positions at their slots (a fibre's t-th at
     ``R * t`` from its row's start) and zero them in the residual."""
     chosen = tl.load(x_ptrs, mask=selected, other=0.0)  # this thread's own store, if any
     at = slot * R
-    v_out, i_out = _across(v_row, RUNS) + at, _across(i_row, RUNS) + at
+    v_out, i_out = _across(v_row) + at, _across(i_row) + at
     if ASM:
         if BITS == 31:
             _scatter(v_out, chosen.to(tl.int32, bitcast=True), selected, 32)
@@ -155,29 +150,25 @@ def _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT: tl.constexpr, BITS:
 
 
 @triton.jit
-def _fibre_ptrs(fibre, pos, stride, RUNS: tl.constexpr):
+def _fibre_ptrs(fibre, pos, stride, VEC: tl.constexpr):
     """Pointers to the tile's entries: each fibre's start plus ``pos`` times its stride; with
-    ``RUNS`` (the host checked: adjacent, a 16-byte aligned tensor, n and the fibres' starts
+    ``VEC`` 4 (the host checked: adjacent, a 16-byte aligned tensor, n and the fibres' starts
     multiples of 4 entries) four at a time. The hints are in bytes: four entries."""
-    if RUNS:
+    if VEC == 4:
         ALIGN: tl.constexpr = 4 * (fibre.dtype.element_ty.primitive_bitwidth // 8)
-        ptrs = _across(tl.multiple_of(fibre, ALIGN), RUNS) + pos
+        ptrs = _across(tl.multiple_of(fibre, ALIGN)) + pos
         ptrs = tl.max_contiguous(tl.multiple_of(ptrs, [1, 1, 1, ALIGN]), [1, 1, 1, 4])
     else:
-        ptrs = _across(fibre, RUNS) + pos * stride.to(tl.int32)
+        ptrs = _across(fibre) + pos * stride.to(tl.int32)
     return ptrs
 
 
 @triton.jit
-def _positions(first, RC: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr):
-    """The positions of a tile: with ``RUNS``, [RC, 1, BN // RUNS, 4], thread t's entries
-    ``t * RUNS + r * 4 + (0..3)`` for RC values of r from ``first``; else [BN, 1]."""
-    if RUNS:
-        pos = (tl.arange(0, RC)[:, None, None, None] + first) * 4 + \
-            tl.arange(0, BN // RUNS)[None, None, :, None] * RUNS + tl.arange(0, 4)[None, None, None, :]
-    else:
-        pos = tl.arange(0, BN)[:, None]
-    return pos
+def _positions(first, RC: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr):
+    """The positions of a [RC, 1, BN // RUNS, VEC] tile: thread t's entries
+    ``t * RUNS + r * VEC + (0..VEC-1)`` for RC values of r from ``first``."""
+    return (tl.arange(0, RC)[:, None, None, None] + first) * VEC + \
+        tl.arange(0, BN // RUNS)[None, None, :, None] * RUNS + tl.arange(0, VEC)[None, None, None, :]
 
 
 @triton.jit
@@ -199,17 +190,18 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           RUNS: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr, W: tl.constexpr):
+           RUNS: tl.constexpr, VEC: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr,
+           W: tl.constexpr):
     """One tile of fibres: compensate, select each fibre's top k, write values and positions,
     update the residual (see the module docstring and fibre_triton.py).
 
-    ``RUNS`` > 0 (adjacent fibres): each thread holds that many adjacent entries of one
-    fibre, the tile [RUNS // 4, FB, BN // RUNS, 4], so that a fibre's sums and scan cross
-    threads with one count a thread. ``RUNS`` 0 (strided fibres, whose neighbours in memory
-    are other fibres): the tile is [BN, FB], a warp's lanes across fibres side by side and
-    each thread along one. ``CHUNKS`` > 1: the slots are found a chunk of each thread's run
-    at a time, read back from memory (or L2), so that a long fibre's scan does not hold
-    the whole tile's counts in registers beside its keys."""
+    Each thread holds ``RUNS`` adjacent positions of one fibre, the tile
+    [RUNS // VEC, FB, BN // RUNS, VEC], so that a fibre's sums and scan stay in the thread
+    but for one count a thread. ``VEC`` 4: fibres adjacent in memory, read four entries at a
+    time; 1: strided fibres, whose neighbours in memory are other fibres (a warp's lanes
+    take several fibres side by side). ``CHUNKS`` > 1: the slots are found a chunk of each
+    thread's run at a time, read back from memory (or L2), so that a long fibre's scan does
+    not hold the whole tile's counts in registers beside its keys."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
@@ -223,43 +215,39 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     k, R = k.to(tl.int32), R.to(tl.int32)
     f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
     a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
-    if RUNS:
+    if VEC == 4:
         n = tl.multiple_of(n, 4)
-    pos = _positions(0, RUNS // 4, RUNS, BN)
-    valid = _across(f < fibres, RUNS) & (pos < n)
+    pos = _positions(0, RUNS // VEC, RUNS, BN, VEC)
+    valid = _across(f < fibres) & (pos < n)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
     x_row = x_ptr + a * sxa + j * sxr
-    x_ptrs = _fibre_ptrs(x_row, pos, sxn, RUNS)
+    x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
     x = tl.load(x_ptrs, mask=valid, other=0.0)
     if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, RUNS)
+        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
         x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
         tl.store(x_ptrs, x, mask=valid)
     key = _key(x, valid, BITS, INF_KEY)
-    if RUNS:
-        largest = tl.max(tl.max(tl.max(tl.max(key, 3), 0), 1), 0)
-    else:
-        largest = tl.max(tl.max(key, 1), 0)
-    bad = largest >= INF_KEY  # the largest key is always selected (k >= 1)
+    bad = tl.max(_along_max(key), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    kth = _kth_key(key, k, FB, BN, BITS, RUNS, ASM)
+    kth = _kth_key(key, k, FB, BN, BITS, ASM)
     v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
     if CHUNKS == 1:
-        selected, slot = _slots(key, kth, k, RUNS)
-        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, RUNS)
+        selected, slot = _slots(key, kth, k)
+        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM)
     else:  # a long fibre: a thread's counts first, then its slots a chunk of its run at a time
-        kth = _across(kth, RUNS)
+        kth = _across(kth)
         thread = tl.sum(tl.sum(_packed(key, kth), 3), 0)  # the key is not needed after this
-        need = _across(k - (tl.sum(thread, 1) & 0xFFFF), RUNS)
+        need = _across(k - (tl.sum(thread, 1) & 0xFFFF))
         seen = tl.cumsum(thread, 1) - thread  # the packed counts of the threads and chunks before
-        RC: tl.constexpr = RUNS // 4 // CHUNKS
+        RC: tl.constexpr = RUNS // VEC // CHUNKS
         for c in tl.static_range(CHUNKS):
-            cpos = _positions(c * RC, RC, RUNS, BN)
-            cvalid = _across(f < fibres, RUNS) & (cpos < n)
-            cptrs = _fibre_ptrs(x_row, cpos, sxn, RUNS)
+            cpos = _positions(c * RC, RC, RUNS, BN, VEC)
+            cvalid = _across(f < fibres) & (cpos < n)
+            cptrs = _fibre_ptrs(x_row, cpos, sxn, VEC)
             packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth)
             selected, slot = _take(packed, _in_thread(packed) + seen[None, :, :, None], need)
-            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM, RUNS)
+            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM)
             seen += tl.sum(tl.sum(packed, 3), 0)
     tl.store(flags + pid, bad.to(tl.uint8))

@@ -44,13 +44,10 @@ DTYPES = tuple(_BITS)
 _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 #: the longest fibre a program holds in registers; longer ones take select.py's path
 MAX_N = 32768
-# keys each thread holds: a tile is 32 of them per thread of its warps
-_PER_THREAD = 16
-# adjacent entries of one fibre each thread holds in a contiguous variant: a fibre's sums and
-# scan cross threads once a thread; a fibre longer than a program of _RUN_WARPS holds takes more
+# adjacent positions of one fibre each thread holds: a fibre's sums and scan cross threads
+# with one count a thread; a fibre longer than _RUN_WARPS warps of _RUN takes longer runs
 _RUN, _RUN_WARPS = 32, 16
-_MIN_WARPS, _MAX_WARPS = 4, 32
-_STRIDED_TILE = 4096  # entries of a strided variant's tile (its fibres side by side)
+_MIN_WARPS = 4
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program
@@ -87,7 +84,7 @@ class Variant:
     Example::
 
         v = variant(n=1024, k=10, dtype=torch.float32, feedback=True)
-        v.fb, v.bn, v.warps        # 2 fibres of 1024 (tile columns) per program, 4 warps
+        v.fb, v.bn, v.warps, v.runs   # 4 fibres of 1024 a program, 4 warps, 32 positions a thread
     """
 
     dtype: torch.dtype
@@ -96,21 +93,14 @@ class Variant:
     fb: int  # fibres per program
     bn: int  # tile columns: a power of two >= n
     warps: int
+    runs: int  # adjacent positions of one fibre a thread holds
     contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
-    runs: int = 0  # adjacent entries of one fibre a thread holds (0: a plain tile)
 
     @property
     def chunks(self) -> int:
         """How many chunks of each thread's run the kernel finds slots in, one after another:
         long adjacent fibres, whose keys fill the registers (more than :data:`_RUN` a thread)."""
         return max(1, self.runs // _RUN)
-
-    @property
-    def transposed(self) -> bool:
-        """Whether the tile is [position, fibre]: for strided fibres, whose neighbours in
-        memory are other fibres, so that a warp reads them side by side and a thread runs
-        along one fibre (its sums and scan stay in the thread)."""
-        return not self.contiguous
 
     @property
     def loop_trips(self) -> int:
@@ -122,7 +112,8 @@ class Variant:
         tl = _triton()[1]
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, BN=self.bn,
-                    FEEDBACK=self.feedback, RUNS=self.runs, CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
+                    FEEDBACK=self.feedback, RUNS=self.runs, VEC=4 if self.contiguous else 1,
+                    CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
 
 
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
@@ -130,21 +121,18 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
     positions are adjacent in memory); None where the kernel does not take them
     (select.py's path does).
 
-    A program's tile holds ``_PER_THREAD`` keys a thread: short fibres share a program of
-    4 warps, a long one takes up to 32 warps alone.
+    A thread holds ``runs`` adjacent positions of one fibre (:data:`_RUN`, or all of a
+    shorter one; more where a fibre would take more than :data:`_RUN_WARPS` warps); a
+    program at least :data:`_MIN_WARPS` warps, short fibres side by side. Strided fibres
+    take the same tile, read an entry at a time.
     """
     if dtype not in DTYPES or not 1 <= k <= n or n > MAX_N:
         return None
     bn = 1 << max(1, (n - 1).bit_length())
-    if contiguous:
-        runs = max(_RUN, bn // (32 * _RUN_WARPS))
-        tile = max(bn, 32 * _MIN_WARPS * runs)
-        return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, tile // (32 * runs),
-                       contiguous, runs)
-    else:  # strided: a warp's width of fibres side by side, more where they are short
-        tile = bn * max(1, min(32, _STRIDED_TILE // bn), 32 * _MIN_WARPS * _PER_THREAD // bn)
-    warps = min(_MAX_WARPS, max(_MIN_WARPS, tile // (32 * _PER_THREAD)))
-    return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, warps, contiguous)
+    runs = min(bn, max(_RUN if contiguous else _RUN // 2, bn // (32 * _RUN_WARPS)))
+    tile = max(bn, 32 * _MIN_WARPS * runs)
+    return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, tile // (32 * runs),
+                   runs, contiguous)
 
 
 def _three_d(x: torch.Tensor) -> torch.Tensor | None:
