@@ -1,15 +1,19 @@
 """The Triton kernel behind :mod:`adtopk_ps.compression.fibre_triton` (imports triton).
 
-A program reads its tensor's row of the table and takes ``FB`` whole fibres of it as a
-tile ``[FB, BN]`` (fibre, position), one key per element in registers. It
+A program reads its tensor's row of the table and takes ``FB`` whole fibres of it. A fibre
+is ``SEG`` segments of ``BS`` positions (the fewest that cover it with little padding: 768
+is 3 x 256), each segment a tile [RUNS // VEC, FB, BS // RUNS, VEC] in which a thread holds
+``RUNS`` adjacent positions of one fibre, one key a position, in registers. It
 
 1. loads the fibres once (with error feedback: ``x = residual + grad``, stored back at
    once, so that ``x`` need not stay in registers);
 2. finds each fibre's k-th largest key by bisection on its bits, one loop of ``BITS``
-   steps, each a compare and a sum along the fibre (RTop-K's threshold search);
-3. takes every entry above that key and the first of those equal to it by position,
-   and gives each its slot with one scan of a packed count (above in the low half, equal
-   in the high half): positions come out ascending;
+   steps, each a subtract and a shifted add an entry, summed in the thread and then across
+   the fibre's threads once (RTop-K's threshold search);
+3. takes every entry above that key and the first of those equal to it by position, and
+   gives each its slot by a packed count of the entries before it in position order (above
+   in the low half, equal in the high half): within the thread, then one count a thread
+   across threads, segment by segment, so that positions come out ascending;
 4. reads back the few selected entries, writes their values and positions, zeroes them
    in the residual, and sets the program's flag byte where one is a NaN or an infinity.
 """
@@ -45,24 +49,40 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(key, k, FB: tl.constexpr, BN: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+def _kth_key(keys, k, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+             ASM: tl.constexpr):
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
-    count(key >= T) >= k. A loop (not unrolled): its body is what a step costs."""
+    count(key >= T) >= k (``SEG * BS`` positions, padding's key -1 among them). A loop
+    (not unrolled): its body is what a step costs."""
     kth = tl.zeros([FB], dtype=tl.int32)
     for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
         cand = kth | (1 << (BITS - 1 - i))
-        if ASM:
-            below = _along(_below(key, _across(cand)))
-        else:  # (key - cand) >> 31: -1 below cand, 0 from it (keys and cand are below 2**31)
-            below = -_along((key - _across(cand)) >> 31)
-        kth = tl.where(BN - below >= k, cand, kth)
+        at = _across(cand)
+        below = _below(keys[0], at, ASM)
+        for s in tl.static_range(1, SEG):
+            below += _below(keys[s], at, ASM)
+        kth = tl.where(SEG * BS - _along(below) >= k, cand, kth)
     return kth
 
 
 @triton.jit
+def _below(key, cand, ASM: tl.constexpr):
+    """1 where ``key < cand``, else 0: the sign bit of their difference (keys and cand are
+    below 2**31); in PTX where compiled, so that ptxas folds the shift into the sum's add
+    (LLVM would turn it into a compare and a select)."""
+    if ASM:
+        below = tl.inline_asm_elementwise("{ .reg .b32 d; sub.s32 d, $1, $2; shr.u32 $0, d, 31; }",
+                                          "=r,r,r", [key, cand + tl.zeros_like(key)], dtype=tl.int32,
+                                          is_pure=True, pack=1)
+    else:
+        below = ((key - cand) >> 31) & 1
+    return below
+
+
+@triton.jit
 def _along(x):
-    """The sum of ``x`` (a [R, FB, T, VEC] tile) along each fibre: one entry a fibre; a
-    thread's own entries first, then across the fibre's T threads."""
+    """The sum of ``x`` (a segment's [R, FB, T, VEC] tile) along each fibre: one entry a
+    fibre; a thread's own entries first, then across the fibre's T threads."""
     return tl.sum(tl.sum(tl.sum(x, 3), 0), 1)
 
 
@@ -79,27 +99,11 @@ def _across(v):
 
 
 @triton.jit
-def _before(x):
-    """The sum of ``x`` over the entries before each, in the fibre's position order: a
-    thread holds adjacent positions, so only one count a thread crosses threads."""
-    thread = tl.sum(tl.sum(x, 3), 0)
-    return _in_thread(x) + (tl.cumsum(thread, 1) - thread)[None, :, :, None]
-
-
-@triton.jit
 def _in_thread(x):
     """The sum of ``x`` over the entries before each among its thread's own (a [R, FB, T, VEC]
     tile: runs of VEC, then R of them)."""
     run = tl.sum(x, 3)
     return (tl.cumsum(x, 3) - x) + (tl.cumsum(run, 0) - run)[:, :, :, None]
-
-
-@triton.jit
-def _below(key, cand):
-    """1 where ``key < cand``, else 0: the sign bit of their difference, in PTX, so that
-    ptxas folds it with the sum's add (LLVM would turn it into a compare and a select)."""
-    return tl.inline_asm_elementwise("{ .reg .b32 d; sub.s32 d, $1, $2; shr.u32 $0, d, 31; }", "=r,r,r",
-                                     [key, cand + tl.zeros_like(key)], dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -118,14 +122,6 @@ def _take(packed, before, need):
     equal_before = before >> 16
     selected = (packed == 1) | ((packed != 0) & (equal_before < need))
     return selected, (before & 0xFFFF) + tl.minimum(equal_before, need)
-
-
-@triton.jit
-def _slots(key, kth, k):
-    """(selected, slot) of a tile held whole (see :func:`_take`)."""
-    packed = _packed(key, _across(kth))  # the key is not needed after this
-    need = k - (_along(packed) & 0xFFFF)
-    return _take(packed, _before(packed), _across(need))
 
 
 @triton.jit
@@ -164,11 +160,11 @@ def _fibre_ptrs(fibre, pos, stride, VEC: tl.constexpr):
 
 
 @triton.jit
-def _positions(first, RC: tl.constexpr, RUNS: tl.constexpr, BN: tl.constexpr, VEC: tl.constexpr):
-    """The positions of a [RC, 1, BN // RUNS, VEC] tile: thread t's entries
-    ``t * RUNS + r * VEC + (0..VEC-1)`` for RC values of r from ``first``."""
-    return (tl.arange(0, RC)[:, None, None, None] + first) * VEC + \
-        tl.arange(0, BN // RUNS)[None, None, :, None] * RUNS + tl.arange(0, VEC)[None, None, None, :]
+def _positions(s, BS: tl.constexpr, RUNS: tl.constexpr, VEC: tl.constexpr):
+    """The positions of segment ``s``'s tile, [RUNS // VEC, 1, BS // RUNS, VEC]: thread t's
+    entries ``s * BS + t * RUNS + r * VEC + (0..VEC-1)``."""
+    return s * BS + tl.arange(0, RUNS // VEC)[:, None, None, None] * VEC + \
+        tl.arange(0, BS // RUNS)[None, None, :, None] * RUNS + tl.arange(0, VEC)[None, None, None, :]
 
 
 @triton.jit
@@ -189,19 +185,14 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
-           INF_KEY: tl.constexpr, FB: tl.constexpr, BN: tl.constexpr, FEEDBACK: tl.constexpr,
-           RUNS: tl.constexpr, VEC: tl.constexpr, CHUNKS: tl.constexpr, ASM: tl.constexpr,
+           INF_KEY: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr,
+           RUNS: tl.constexpr, VEC: tl.constexpr, FEEDBACK: tl.constexpr, ASM: tl.constexpr,
            W: tl.constexpr):
-    """One tile of fibres: compensate, select each fibre's top k, write values and positions,
-    update the residual (see the module docstring and fibre_triton.py).
+    """One program's fibres: compensate, select each fibre's top k, write values and
+    positions, update the residual (see the module docstring and fibre_triton.py).
 
-    Each thread holds ``RUNS`` adjacent positions of one fibre, the tile
-    [RUNS // VEC, FB, BN // RUNS, VEC], so that a fibre's sums and scan stay in the thread
-    but for one count a thread. ``VEC`` 4: fibres adjacent in memory, read four entries at a
-    time; 1: strided fibres, whose neighbours in memory are other fibres (a warp's lanes
-    take several fibres side by side). ``CHUNKS`` > 1: the slots are found a chunk of each
-    thread's run at a time, read back from memory (or L2), so that a long fibre's scan does
-    not hold the whole tile's counts in registers beside its keys."""
+    ``VEC`` 4: fibres adjacent in memory, read four entries at a time; 1: strided fibres,
+    whose neighbours in memory are other fibres (a warp's lanes take several side by side)."""
     pid = tl.program_id(0)
     row = table + tl.load(table + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
@@ -217,37 +208,41 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     a, j = (f // R).to(tl.int64), (f % R).to(tl.int64)
     if VEC == 4:
         n = tl.multiple_of(n, 4)
-    pos = _positions(0, RUNS // VEC, RUNS, BN, VEC)
-    valid = _across(f < fibres) & (pos < n)
+    live = _across(f < fibres)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
     x_row = x_ptr + a * sxa + j * sxr
-    x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
-    x = tl.load(x_ptrs, mask=valid, other=0.0)
-    if FEEDBACK:
-        sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-        g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
-        x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
-        tl.store(x_ptrs, x, mask=valid)
-    key = _key(x, valid, BITS, INF_KEY)
-    bad = tl.max(_along_max(key), 0) >= INF_KEY  # the largest key is always selected (k >= 1)
+    keys = ()
+    for s in tl.static_range(SEG):
+        pos = _positions(s, BS, RUNS, VEC)
+        valid = live & (pos < n)
+        x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
+        x = tl.load(x_ptrs, mask=valid, other=0.0)
+        if FEEDBACK:
+            sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
+            g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
+            x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
+            tl.store(x_ptrs, x, mask=valid)
+        keys = keys + (_key(x, valid, BITS, INF_KEY),)
+    largest = _along_max(keys[0])
+    for s in tl.static_range(1, SEG):
+        largest = tl.maximum(largest, _along_max(keys[s]))
+    bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
 
-    kth = _kth_key(key, k, FB, BN, BITS, ASM)
+    kth = _across(_kth_key(keys, k, FB, SEG, BS, BITS, ASM))
+    # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
+    at_most = _below(keys[0], kth + 1, ASM)
+    for s in tl.static_range(1, SEG):
+        at_most += _below(keys[s], kth + 1, ASM)
+    need = _across(k - SEG * BS + _along(at_most))
     v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
-    if CHUNKS == 1:
-        selected, slot = _slots(key, kth, k)
-        _emit(x_ptrs, pos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM)
-    else:  # a long fibre: a thread's counts first, then its slots a chunk of its run at a time
-        kth = _across(kth)
-        thread = tl.sum(tl.sum(_packed(key, kth), 3), 0)  # the key is not needed after this
-        need = _across(k - (tl.sum(thread, 1) & 0xFFFF))
-        seen = tl.cumsum(thread, 1) - thread  # the packed counts of the threads and chunks before
-        RC: tl.constexpr = RUNS // VEC // CHUNKS
-        for c in tl.static_range(CHUNKS):
-            cpos = _positions(c * RC, RC, RUNS, BN, VEC)
-            cvalid = _across(f < fibres) & (cpos < n)
-            cptrs = _fibre_ptrs(x_row, cpos, sxn, VEC)
-            packed = _packed(_key(tl.load(cptrs, mask=cvalid, other=0.0), cvalid, BITS, INF_KEY), kth)
-            selected, slot = _take(packed, _in_thread(packed) + seen[None, :, :, None], need)
-            _emit(cptrs, cpos, selected, slot, v_row, i_row, R, IDT, BITS, FEEDBACK, ASM)
-            seen += tl.sum(tl.sum(packed, 3), 0)
+    seen = tl.zeros([FB], dtype=tl.int32)  # the packed counts of the segments before
+    for s in tl.static_range(SEG):  # a segment at a time: positions ascend segment by segment
+        pos = _positions(s, BS, RUNS, VEC)
+        packed = _packed(keys[s], kth)
+        thread = tl.sum(tl.sum(packed, 3), 0)
+        before = _in_thread(packed) + (tl.cumsum(thread, 1) - thread + seen[:, None])[None, :, :, None]
+        selected, slot = _take(packed, before, need)
+        _emit(_fibre_ptrs(x_row, pos, sxn, VEC), pos, selected, slot, v_row, i_row, R, IDT, BITS,
+              FEEDBACK, ASM)
+        seen += tl.sum(thread, 1)
     tl.store(flags + pid, bad.to(tl.uint8))

@@ -44,10 +44,13 @@ DTYPES = tuple(_BITS)
 _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 #: the longest fibre a program holds in registers; longer ones take select.py's path
 MAX_N = 32768
-# adjacent positions of one fibre each thread holds: a fibre's sums and scan cross threads
-# with one count a thread; a fibre longer than _RUN_WARPS warps of _RUN takes longer runs
-_RUN, _RUN_WARPS = 32, 16
-_MIN_WARPS = 4
+# keys a thread holds (fibres adjacent in memory, strided ones), the threads of one fibre at
+# most (16 warps, which leave a thread 128 registers) and at least a program's
+_KEYS, _STRIDED_KEYS = 32, 16
+_MAX_THREADS, _MIN_WARPS = 512, 4
+# segments: a fibre longer than _WHOLE is cut into the fewest (up to _MAX_SEG) segments of a
+# power of two that pad it by at most 1/_PAD
+_WHOLE, _MAX_SEG, _PAD = 128, 16, 8
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program
@@ -91,16 +94,16 @@ class Variant:
     index_bytes: int
     feedback: bool
     fb: int  # fibres per program
-    bn: int  # tile columns: a power of two >= n
+    seg: int  # segments a fibre is cut into
+    bs: int  # positions a segment: a power of two
+    runs: int  # adjacent positions of a segment each thread holds
     warps: int
-    runs: int  # adjacent positions of one fibre a thread holds
     contiguous: bool = True  # fibres adjacent in memory, read four entries at a time (_in_fours)
 
     @property
-    def chunks(self) -> int:
-        """How many chunks of each thread's run the kernel finds slots in, one after another:
-        long adjacent fibres, whose keys fill the registers (more than :data:`_RUN` a thread)."""
-        return max(1, self.runs // _RUN)
+    def bn(self) -> int:
+        """Positions a fibre takes, padding included."""
+        return self.seg * self.bs
 
     @property
     def loop_trips(self) -> int:
@@ -111,9 +114,9 @@ class Variant:
         """The kernel's constexprs."""
         tl = _triton()[1]
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
-                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, BN=self.bn,
-                    FEEDBACK=self.feedback, RUNS=self.runs, VEC=4 if self.contiguous else 1,
-                    CHUNKS=self.chunks, ASM=not interpreted(), W=_COLUMNS)
+                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, SEG=self.seg,
+                    BS=self.bs, RUNS=self.runs, VEC=4 if self.contiguous else 1,
+                    FEEDBACK=self.feedback, ASM=not interpreted(), W=_COLUMNS)
 
 
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
@@ -121,18 +124,44 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
     positions are adjacent in memory); None where the kernel does not take them
     (select.py's path does).
 
-    A thread holds ``runs`` adjacent positions of one fibre (:data:`_RUN`, or all of a
-    shorter one; more where a fibre would take more than :data:`_RUN_WARPS` warps); a
-    program at least :data:`_MIN_WARPS` warps, short fibres side by side. Strided fibres
-    take the same tile, read an entry at a time.
+    A fibre longer than :data:`_WHOLE` is cut into segments (:func:`segments`). In each, a
+    thread holds ``runs`` adjacent positions, so that it holds about :data:`_KEYS` keys in
+    all (:data:`_STRIDED_KEYS` for strided fibres, whose pointers take registers too), or
+    more where a fibre would take more than :data:`_MAX_THREADS` threads; a program has at
+    least :data:`_MIN_WARPS` warps, short fibres side by side.
     """
     if dtype not in DTYPES or not 1 <= k <= n or n > MAX_N:
         return None
-    bn = 1 << max(1, (n - 1).bit_length())
-    runs = min(bn, max(_RUN if contiguous else _RUN // 2, bn // (32 * _RUN_WARPS)))
-    tile = max(bn, 32 * _MIN_WARPS * runs)
-    return Variant(dtype, index_dtype(n).itemsize, feedback, tile // bn, bn, tile // (32 * runs),
-                   runs, contiguous)
+    vec, keys = (4, _KEYS) if contiguous else (1, _STRIDED_KEYS)
+    # a segment takes at least vec positions a thread: more segments than keys // vec only
+    # where the fibre needs them to fit _MAX_THREADS threads
+    seg, bs = segments(n, min(_MAX_SEG, max(keys // vec, -(-n // (_MAX_THREADS * vec)))))
+    runs = min(bs, max(vec, _pow2_below(keys // seg), bs // _MAX_THREADS))
+    fb = max(1, 32 * _MIN_WARPS * runs // bs)
+    return Variant(dtype, index_dtype(n).itemsize, feedback, fb, seg, bs, runs, fb * bs // runs // 32,
+                   contiguous)
+
+
+def segments(n: int, most: int = _MAX_SEG) -> tuple[int, int]:
+    """(segments, positions a segment) for a fibre of ``n``: one segment of the next power of
+    two up to :data:`_WHOLE`, else the fewest segments (at most ``most``) of a power of two
+    that pad ``n`` by at most 1/:data:`_PAD`, or where none does, the least padding.
+
+    Example::
+
+        segments(768), segments(3072), segments(25088), segments(1024)
+        # (3, 256), (3, 1024), (13, 2048), (1, 1024)
+    """
+    whole = 1 << max(1, (n - 1).bit_length())
+    if n <= _WHOLE:
+        return 1, whole
+    cuts = [(seg, 1 << (-(-n // seg) - 1).bit_length()) for seg in range(1, most + 1)]
+    fit = [(seg, bs) for seg, bs in cuts if seg * bs * _PAD <= n * (_PAD + 1)]
+    return fit[0] if fit else min(cuts, key=lambda cut: (cut[0] * cut[1], cut[0]))
+
+
+def _pow2_below(x: int) -> int:
+    return 1 << max(0, x.bit_length() - 1)
 
 
 def _three_d(x: torch.Tensor) -> torch.Tensor | None:
