@@ -206,19 +206,38 @@ def test_one_call_over_many_tensors_equals_one_call_each():
 
 
 @interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ties", [False, True])
-def test_long_fibres_find_their_slots_a_chunk_at_a_time(ties):
-    # fibres of more than 16,384 entries: each thread's run is scanned a chunk at a time,
-    # carrying the counts
+def test_long_fibres_are_found_segment_by_segment(dtype, ties):
+    # a fibre of 17,000 is 9 segments of 2,048 (slots carried from segment to segment);
+    # in bfloat16 its 36 keys a thread have the compensated sums written before the keys
     n = 17000
-    assert fibre_triton.variant(n, 90, torch.float32, True).seg > 1
-    x = sample((2, n), torch.float32, 21, ties=ties)
-    grad = sample((2, n), torch.float32, 22, ties=ties)
+    v = fibre_triton.variant(n, 90, dtype, True)
+    assert v.seg == 9 and v.keeps_sums == (dtype == torch.float32)
+    x = sample((2, n), dtype, 21, ties=ties)
+    grad = sample((2, n), dtype, 22, ties=ties)
     target, compensated = x.clone(), x + grad
     got = fibre_triton.select([fibre_triton.Item(target, grad, 90)], Stage(torch.device("cpu")))[0]
     want = reference(compensated, 90)
     assert torch.equal(got.indices.long(), want) and same_bits(got.values, compensated.gather(1, want))
     assert same_bits(target, compensated.scatter(1, want, 0.0))
+
+
+@interpreter_only
+@pytest.mark.parametrize("n", [768, 3072, 25088, 1568, 520])
+@pytest.mark.parametrize("rest", [(), (2,)])
+def test_fibres_cut_into_segments_keep_the_rule(n, rest):
+    # fibres whose length is not a power of two take segments with little padding (adjacent
+    # fibres, and strided ones); the slots run on across segments, so positions ascend
+    # over the whole fibre
+    seg, bs = fibre_triton.segments(n)
+    assert seg > 1 and seg * bs < 1.2 * n
+    x = sample((2, n, *rest), torch.float32, n, ties=True)
+    target = x.clone()
+    k = max(1, n // 100)
+    got = fibre_triton.select([fibre_triton.Item(target, None, k)], Stage(torch.device("cpu")))[0]
+    want = reference(x, k)
+    assert torch.equal(got.indices.long(), want) and same_bits(got.values, x.gather(1, want))
 
 
 @interpreter_only

@@ -30,7 +30,7 @@ def _key(x, valid, BITS: tl.constexpr, INF_KEY: tl.constexpr):
     if BITS == 31:
         bits = x.to(tl.int32, bitcast=True)
     else:
-        bits = x.to(tl.int16, bitcast=True).to(tl.int32)
+        bits = x.to(tl.uint16, bitcast=True).to(tl.int32)
     return tl.where(valid, tl.minimum(bits & ((1 << BITS) - 1), INF_KEY), -1)
 
 
@@ -186,8 +186,8 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 @triton.jit
 def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr,
-           RUNS: tl.constexpr, VEC: tl.constexpr, FEEDBACK: tl.constexpr, ASM: tl.constexpr,
-           W: tl.constexpr):
+           RUNS: tl.constexpr, VEC: tl.constexpr, FEEDBACK: tl.constexpr, KEEP: tl.constexpr,
+           ASM: tl.constexpr, W: tl.constexpr):
     """One program's fibres: compensate, select each fibre's top k, write values and
     positions, update the residual (see the module docstring and fibre_triton.py).
 
@@ -211,24 +211,33 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     live = _across(f < fibres)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
     x_row = x_ptr + a * sxa + j * sxr
+    if FEEDBACK and not KEEP:  # the sums first, read back below: their keys alone are held
+        sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
+        for s in tl.static_range(SEG):
+            pos = _positions(s, BS, RUNS, VEC)
+            valid = live & (pos < n)
+            x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
+            g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
+            tl.store(x_ptrs, _add(tl.load(x_ptrs, mask=valid, other=0.0),
+                                  tl.load(g_ptrs, mask=valid, other=0.0), DT), mask=valid)
+        tl.debug_barrier()
     keys = ()
     for s in tl.static_range(SEG):
         pos = _positions(s, BS, RUNS, VEC)
         valid = live & (pos < n)
         x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
         x = tl.load(x_ptrs, mask=valid, other=0.0)
-        if FEEDBACK:
+        if FEEDBACK and KEEP:
             sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
             g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
             x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
             tl.store(x_ptrs, x, mask=valid)
         keys = keys + (_key(x, valid, BITS, INF_KEY),)
+    kth = _across(_kth_key(keys, k, FB, SEG, BS, BITS, ASM))
     largest = _along_max(keys[0])
     for s in tl.static_range(1, SEG):
         largest = tl.maximum(largest, _along_max(keys[s]))
     bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
-
-    kth = _across(_kth_key(keys, k, FB, SEG, BS, BITS, ASM))
     # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
     at_most = _below(keys[0], kth + 1, ASM)
     for s in tl.static_range(1, SEG):

@@ -106,6 +106,14 @@ class Variant:
         return self.seg * self.bs
 
     @property
+    def keeps_sums(self) -> bool:
+        """With error feedback, whether each ``residual + grad`` stays in registers as it is
+        made (float32, or up to :data:`_KEYS` keys a thread), or all are written first and
+        read back (16-bit fibres of more keys a thread, where unpacking them beside the keys
+        would spill)."""
+        return self.dtype == torch.float32 or self.seg * self.runs <= _KEYS
+
+    @property
     def loop_trips(self) -> int:
         """How many times the kernel's one loop, the bisection over the key's bits, runs."""
         return _BITS[self.dtype]
@@ -116,7 +124,7 @@ class Variant:
         return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
                     BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, SEG=self.seg,
                     BS=self.bs, RUNS=self.runs, VEC=4 if self.contiguous else 1,
-                    FEEDBACK=self.feedback, ASM=not interpreted(), W=_COLUMNS)
+                    FEEDBACK=self.feedback, KEEP=self.keeps_sums, ASM=not interpreted(), W=_COLUMNS)
 
 
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
