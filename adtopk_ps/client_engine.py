@@ -1,11 +1,13 @@
 """The worker's engine thread: the queue, the sends and the answers (ps-lite's Van under
 a KVWorker; the caller's side is client.py).
 
-One background thread owns every socket: it compresses queued tensors in
-priority order (later layers, whose gradients the backward pass produces first,
-go first), splits them into keys, sends each key as soon as it is encoded (many
-keys in flight on one DEALER per server), and writes each answer into the
-handle's output as it arrives.
+One background thread owns every socket: it takes every tensor queued at once
+as one batch in priority order (later layers, whose gradients the backward pass
+produces first, go first), splits them into keys, hands each compressor its
+keys of the batch in one call (ADTopk's CUDA kernel selects them in one launch),
+sends each key as soon as its payload is ready (many keys in flight on one
+DEALER per server), and writes each answer into the handle's output as it
+arrives.
 
 Keys are never held back for credit: under BSP a round completes only when
 every worker has pushed it, so if workers held back different keys (their
@@ -29,6 +31,7 @@ import zmq
 from . import wire
 from .cluster import ClusterConfig, KeyLayout, part_name, server_of, split
 from .compression import Compressor
+from .compression.base import Request
 from .env import env_int
 from .liveness import PeerWatch
 from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
@@ -107,7 +110,7 @@ class Engine:
         self.rounds: dict[int, int] = {}  # the next round of each key
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
-        self._in_hand: Job | None = None  # between the queue and the wire
+        self._in_hand: list[Job] = []  # between the queue and the wire
         # by key, oldest round first; the engine thread's own. A key has two rounds in flight
         # when a join() stand-in's answer is still on its way as this worker pushes the next
         self._inflight: dict[int, deque[_Part]] = {}
@@ -306,21 +309,31 @@ class Engine:
             with self.lock:
                 if not self._jobs:
                     return
-                job = heapq.heappop(self._jobs)
-                self._in_hand = job  # off the queue: if it fails, _fail_all must still find it
-            self._send_job(job, servers)
-            self._in_hand = None
+                jobs = [heapq.heappop(self._jobs) for _ in range(len(self._jobs))]
+                self._in_hand = jobs  # off the queue: if they fail, _fail_all must still find them
+            self._send_jobs(jobs, servers)
+            self._in_hand = []
 
-    def _send_job(self, job: Job, servers: list[zmq.Socket]) -> None:
-        layout = job.layout
-        parts = split(job.tensor, layout.blocks)
-        outs = split(job.handle.out, layout.blocks)
-        for index, (part, out, key) in enumerate(zip(parts, outs, layout.keys)):
-            if index % KEEP_ALIVE_KEYS == KEEP_ALIVE_KEYS - 1:
-                self._keep_alive()  # heartbeats go on while a long tensor is sent
+    def _send_jobs(self, jobs: list[Job], servers: list[zmq.Socket]) -> None:
+        """Compress and send every key of ``jobs`` (in their order): each compressor gets its
+        keys in one :meth:`~Compressor.start`, and each key goes out as its payload comes."""
+        parts = [(job, index, part, out, key) for job in jobs
+                 for index, (part, out, key) in enumerate(zip(split(job.tensor, job.layout.blocks),
+                                                              split(job.handle.out, job.layout.blocks),
+                                                              job.layout.keys))]
+        batches: dict[int, list[Request]] = {}
+        for job, index, part, _, _ in parts:
+            batches.setdefault(id(job.compressor), []).append(
+                Request(part, part_name(job.handle.name, index), job.step, job.ratio))
+        started = time.perf_counter()
+        payloads = {which: compressor.start(batches[which]) for which, compressor in
+                    {id(job.compressor): job.compressor for job in jobs}.items()}
+        self.compress_seconds += time.perf_counter() - started
+        for count, (job, index, part, out, key) in enumerate(parts):
+            if count % KEEP_ALIVE_KEYS == KEEP_ALIVE_KEYS - 1:
+                self._keep_alive()  # heartbeats go on while a long batch is sent
             started = time.perf_counter()
-            pname = part_name(job.handle.name, index)
-            payload = job.compressor.compress(part, pname, job.step, job.ratio)
+            payload = next(payloads[id(job.compressor)])
             self.compress_seconds += time.perf_counter() - started
             rnd = self.rounds.get(key, 0)
             self.rounds[key] = rnd + 1
@@ -328,6 +341,7 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flag)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
+            pname = part_name(job.handle.name, index)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname))
             send(servers[server_of(key, len(servers))], frames)
@@ -384,10 +398,8 @@ class Engine:
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:
-            jobs, self._jobs = self._jobs, []
-            if self._in_hand is not None:
-                jobs.append(self._in_hand)
-                self._in_hand = None
+            jobs, self._jobs = self._jobs + self._in_hand, []
+            self._in_hand = []
             calls, self._agreements = list(self._agreements.values()), {}
         for job in jobs:
             job.handle.fail(error)

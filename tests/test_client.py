@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from adtopk_ps.client import PSClient, PushPullError
+from adtopk_ps.compression import Compressor
 
 from procs import clients as start_clients
 from procs import roles
@@ -26,7 +27,7 @@ def test_later_layers_go_first_when_keys_queue_up(client):
     assert [h.name for h in order] == ["layer3", "layer2", "layer1", "layer0"]
 
 
-class Failing:
+class Failing(Compressor):
     """A compressor that cannot compress one tensor."""
 
     def __init__(self, name: str):
@@ -53,6 +54,38 @@ def test_a_compression_error_fails_every_handle_at_once():
         assert all(h.done() for h in handles)
         with pytest.raises(ClusterError):
             c.push_pull(torch.ones(8, 8), "later")
+        c.shutdown()
+
+
+class Recording(Compressor):
+    """top-k, noting each batch the engine hands it."""
+
+    def __init__(self):
+        from adtopk_ps.compression import create
+        self.inner, self.batches = create("topk", ratio=0.25), []
+
+    def compress(self, tensor, name, step=0, ratio=None):
+        return self.inner.compress(tensor, name, step, ratio)
+
+    def start(self, requests):
+        self.batches.append([r.name for r in requests])
+        return super().start(requests)
+
+
+def test_tensors_queued_at_once_are_one_batch_for_each_compressor():
+    # every tensor waiting when the engine wakes goes to its compressor in one start(), keys
+    # of partitioned tensors included, in priority order; the answers are each tensor's own
+    with roles(1, 1) as (config, _):
+        c = PSClient(config)
+        sparse, dense = Recording(), Recording()
+        tensors = [torch.randn(64, 64) for _ in range(4)]
+        with c._engine.lock:  # the engine wakes only after all four are queued
+            handles = [c.push_pull(t, f"layer{i}", sparse if i % 2 else dense, priority=-i)
+                       for i, t in enumerate(tensors)]
+        for h, t in zip(handles, tensors):  # one worker: the answer is its own top quarter
+            got = h.wait(30)
+            assert torch.equal(got[got != 0], t[got != 0]) and int((got != 0).sum()) == 64 * 64 // 4
+        assert sparse.batches == [["layer3#0", "layer1#0"]] and dense.batches == [["layer2#0", "layer0#0"]]
         c.shutdown()
 
 

@@ -393,3 +393,35 @@ def test_interpreted_tests_pass_in_a_subprocess():
 def test_empty_tensors_keep_the_cpu_path(cpu_kernel):
     p = create("adtopk", ratio=0.01).compress(torch.zeros(4, 0, 3), "w")
     assert p.host is None and p.values.shape == (4, 0, 3)
+
+
+@interpreter_only
+def test_a_batch_is_one_launch_and_equals_one_call_each(cpu_kernel, monkeypatch):
+    # the engine hands every tensor ready at once to one start(): the kernel's tensors go in
+    # one launch() (one kernel launch per variant), each payload as one call's, residuals too
+    from adtopk_ps.compression import create
+    from adtopk_ps.compression.base import Request
+    shapes = [(16, 300), (8, 64, 3, 3), (4, 512), (6, 40, 4, 3)]
+    steps = [[sample(s, torch.float32, 10 * t + i) for i, s in enumerate(shapes)] for t in range(3)]
+    batched, alone = create("adtopk", ratio=0.05, ef="vanilla"), create("adtopk", ratio=0.05, ef="vanilla")
+    launches, counting = [], []
+    real = fibre_triton.launch
+    monkeypatch.setattr(fibre_triton, "launch", lambda items, stage: (
+        counting and launches.append(len(items))) or real(items, stage))
+    for t, grads in enumerate(steps):
+        names = [f"t{i}" for i in range(len(grads))]
+        counting.append(True)
+        got = list(batched.start([Request(g, n, t) for g, n in zip(grads, names)]))
+        counting.clear()
+        want = [alone.compress(g, n, t) for g, n in zip(grads, names)]
+        for p, q in zip(got, want):
+            assert same_bits(p.values, q.values) and torch.equal(p.indices, q.indices)
+            assert (p.rows is None) == (q.rows is None)
+        for n in names:
+            assert same_bits(batched.memory.residuals[n], alone.memory.residuals[n])
+            batched.restore(None, n)
+    # step 0 has no residuals yet (compensated in three steps, a launch each); then one a step
+    assert launches == [1, 1, 1, 1, 4, 4], launches
+    # a stage each for step 0's calls (each made while the others' payloads were still out),
+    # reused by the batches after: the pool does not grow step after step
+    assert len(batched.base._stages) == 4

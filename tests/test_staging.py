@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from adtopk_ps.compression.staging import Stage
+from adtopk_ps.compression.staging import Stage, StagePool
 
 
 class Event:
@@ -88,3 +88,31 @@ def test_the_device_buffer_is_reused_only_after_the_copy_that_reads_it():
     calls.log.clear()
     stage.device_buffer(64)  # nothing queued any more: no wait
     assert calls.log == []
+
+
+def test_a_pool_reuses_a_stage_only_once_nothing_in_it_is_read():
+    pool = StagePool(cuda=FreshCalls())
+    first = pool.take(torch.device("cuda"), ["a", "b"])
+    second = pool.take(torch.device("cuda"), ["c"])  # the next batch, while a and b are on the wire
+    assert second is not first
+    pool.release("a")
+    assert pool.take(torch.device("cuda"), ["d"]) is not first  # b still reads the first
+    pool.release("b")
+    assert pool.take(torch.device("cuda"), ["e"]) is first and len(pool) == 3
+
+
+def test_staging_a_name_again_frees_its_earlier_payload():
+    # callers that never restore (a DDP hook, a probe) compress a name again only after its
+    # previous round: that releases the stage, so the pool does not grow step after step
+    pool = StagePool(cuda=FreshCalls())
+    stages = [pool.take(torch.device("cuda"), ["w", "b"]) for _ in range(5)]
+    assert all(s is stages[0] for s in stages) and len(pool) == 1
+    pool.release("never staged")  # an answer for a payload not staged here: nothing to free
+    assert len(pool) == 1
+
+
+class FreshCalls(Calls):
+    """Calls for a pool: every stage it makes takes two new events."""
+
+    def event(self):
+        return Event(self.log, f"event{len(self.log)}")

@@ -10,15 +10,16 @@ payload, which then names the rows it carries.
 from __future__ import annotations
 
 import math
+from typing import Iterator
 
 import torch
 
 from ..dtypes import index_dtype
 from . import fibre_triton
-from .base import Compressor, flat_of, global_k
+from .base import Compressor, Request, flat_of, global_k
 from .payload import Payload
 from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
-from .staging import Stage
+from .staging import StagePool
 
 LAYOUTS = ("axis", "rows")
 
@@ -45,7 +46,7 @@ class ADTopk(Compressor):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
         self.layout = layout
-        self._stages: dict[str, Stage] = {}  # the CUDA kernel's buffers, per tensor name
+        self._stages = StagePool()  # the CUDA kernel's buffers, reused once their payloads are answered
 
     def view_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape whose axis 1 the fibres run along."""
@@ -64,10 +65,11 @@ class ADTopk(Compressor):
             raise ValueError(
                 f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
                 "the sparsification policy sends such tensors dense")
+        item = self._item(Request(tensor, name, step, ratio), None)
+        if item is not None:
+            return next(self._launched([Request(tensor, name, step, ratio)], {0: item}))
         view, k = self._fibres(tensor, ratio)
         x = tensor.detach().reshape(view)
-        if fibre_triton.applies(x) and self.value_dtype in (None, x.dtype):
-            return self._staged(tensor, view, fibre_triton.Item(x, None, k), name)
         positions = fibre_topk(x, k)
         selected = x.gather(1, positions)  # every fibre's NaN and infinities come first
         values = self._values(selected)
@@ -86,33 +88,92 @@ class ADTopk(Compressor):
         """
         if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
+        item = self._item(Request(tensor, name, step, ratio), residual)
+        if item is not None:
+            return next(self._launched([Request(tensor, name, step, ratio)], {0: item}))
         view, k = self._fibres(tensor, ratio)
-        grad = tensor.detach().reshape(view)
-        if residual.is_contiguous() and fibre_triton.applies(residual.view(view), grad) and \
-                (residual.shape, residual.dtype, residual.device) == \
-                (tensor.shape, tensor.dtype, tensor.device):
-            return self._staged(tensor, view, fibre_triton.Item(residual.view(view), grad, k), name)
-        found = fibre_topk_feedback(residual.view(view), grad, k, live_only=True)
+        found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k, live_only=True)
         if found is None:
             return None
         positions, values, rows = found
         return self._payload(tensor, view, positions, values, not all_finite(values), rows)
 
+    def start(self, requests: list[Request]) -> Iterator[Payload]:
+        """A batch: every tensor the CUDA kernel takes is selected in one launch per kernel
+        variant (started here), the others one call each as their payloads are asked for."""
+        if not _distinct(requests):  # a tensor twice: its second call reads the first's result
+            return super().start(requests)
+        return self._launched(requests, self._items(requests, [None] * len(requests)))
+
+    def start_with_feedback(self, requests: list[Request],
+                            residuals: list[torch.Tensor]) -> Iterator[Payload | None]:
+        """:meth:`start` with error feedback fused in (see :meth:`compress_with_feedback`)."""
+        if not _distinct(requests):
+            return super().start_with_feedback(requests, residuals)
+        return self._launched(requests, self._items(requests, residuals), residuals)
+
+    def restore(self, answer: torch.Tensor, name: str) -> None:
+        """The answer of ``name`` landed: the staging its payload was sent from is free."""
+        self._stages.release(name)
+
+    def _items(self, requests: list[Request],
+               residuals: list[torch.Tensor | None]) -> dict[int, "fibre_triton.Item"]:
+        return {i: item for i, (r, residual) in enumerate(zip(requests, residuals))
+                if (item := self._item(r, residual)) is not None}
+
+    def _item(self, request: Request, residual: torch.Tensor | None) -> "fibre_triton.Item | None":
+        """The kernel's item for one call, or None where the kernel does not take it."""
+        tensor = request.tensor
+        if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
+            return None
+        view, k = self._fibres(tensor, request.ratio)
+        grad = tensor.detach().reshape(view)
+        if residual is None:
+            return fibre_triton.Item(grad, None, k) if fibre_triton.applies(grad) else None
+        if residual.is_contiguous() and (residual.shape, residual.dtype, residual.device) == \
+                (tensor.shape, tensor.dtype, tensor.device) and fibre_triton.applies(residual.view(view), grad):
+            return fibre_triton.Item(residual.view(view), grad, k)
+        return None
+
+    def _launched(self, requests: list[Request], items: dict[int, "fibre_triton.Item"],
+                  residuals: list[torch.Tensor | None] | None = None) -> Iterator[Payload | None]:
+        """Launch ``items`` (one batch a device, in a stage of the pool), then yield each
+        request's payload in order: the kernel's (device views, their bytes already in
+        pinned host memory, valid until the answer is restored or the name staged again),
+        or one call's."""
+        batches: dict[torch.device, list[int]] = {}
+        for i in items:
+            batches.setdefault(requests[i].tensor.device, []).append(i)
+        launched = {device: (members, fibre_triton.launch(
+            [items[i] for i in members],
+            self._stages.take(device, [requests[i].name for i in members])))
+            for device, members in batches.items()}
+        return self._yielded(requests, items, residuals, launched)
+
+    def _yielded(self, requests: list[Request], items: dict[int, "fibre_triton.Item"],
+                 residuals: list[torch.Tensor | None] | None,
+                 launched: dict[torch.device, tuple[list[int], "fibre_triton.Launched"]]
+                 ) -> Iterator[Payload | None]:
+        got: dict[int, fibre_triton.Selected] = {}
+        for i, r in enumerate(requests):
+            if i in items:
+                if i not in got:  # the first of its batch: wait for the batch's copy
+                    members, batch = launched[r.tensor.device]
+                    got.update(zip(members, batch.results()))
+                view = tuple(items[i].x.shape)
+                s = got.pop(i)
+                yield Payload("fibre", tuple(r.tensor.shape), r.tensor.dtype, s.values, s.indices,
+                              view=view, rows=s.rows, nonfinite=s.nonfinite,
+                              host=(s.host_values, s.host_indices))
+            elif residuals is None or residuals[i] is None:
+                yield self.compress(r.tensor, r.name, r.step, r.ratio)
+            else:
+                yield self.compress_with_feedback(r.tensor, residuals[i], r.name, r.step, r.ratio)
+
     def _fibres(self, tensor: torch.Tensor, ratio: float | None) -> tuple[tuple[int, ...], int]:
         """The view whose axis 1 the fibres run along, and how many entries each keeps."""
         view = self.view_of(tuple(tensor.shape))
         return view, fibre_k(view[1], self._ratio(ratio))
-
-    def _staged(self, tensor: torch.Tensor, view: tuple[int, ...], item: "fibre_triton.Item",
-                name: str) -> Payload:
-        """The fused kernel's payload: device views, and their bytes already in pinned host
-        memory (valid until ``name`` is compressed again)."""
-        stage = self._stages.get(name)
-        if stage is None or stage.device != tensor.device:
-            stage = self._stages[name] = Stage(tensor.device)
-        got = fibre_triton.select([item], stage)[0]
-        return Payload("fibre", tuple(tensor.shape), tensor.dtype, got.values, got.indices, view=view,
-                       rows=got.rows, nonfinite=got.nonfinite, host=(got.host_values, got.host_indices))
 
     @staticmethod
     def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
@@ -120,6 +181,10 @@ class ADTopk(Compressor):
         """``rows``: the rows of the view carried, where the others selected only zeros."""
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
                        positions.to(index_dtype(view[1])), view=view, rows=rows, nonfinite=nonfinite)
+
+
+def _distinct(requests: list[Request]) -> bool:
+    return len({r.name for r in requests}) == len(requests)
 
 
 class ADTopkInterleaved(ADTopk):
@@ -130,6 +195,8 @@ class ADTopkInterleaved(ADTopk):
     """
 
     name = "adtopk-i"
+    # each call takes its own turn: a batch is one call each, in order
+    start, start_with_feedback = Compressor.start, Compressor.start_with_feedback
 
     def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None):
         super().__init__(ratio, layout, value_dtype)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Iterable, Iterator
 
 import torch
 
@@ -25,6 +26,16 @@ def check_ratio(ratio: object, what: str = "ratio") -> float:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise ValueError(f"{what} must be a number in (0, 1], got {ratio!r}")
     return float(ratio)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One tensor of a batch that :meth:`Compressor.start` compresses: the arguments of one
+    :meth:`Compressor.compress` call."""
+    tensor: torch.Tensor
+    name: str
+    step: int = 0
+    ratio: float | None = None
 
 
 class Compressor(ABC):
@@ -97,6 +108,25 @@ class Compressor(ABC):
         here, for compressors that have no such path.
         """
         return None
+
+    def start(self, requests: list[Request]) -> Iterator[Payload]:
+        """The payloads of tensors ready at once, in order: one :meth:`compress` each, made
+        when the caller asks for it (the engine sends each as it comes). A compressor that
+        selects a batch in one pass (ADTopk's CUDA kernel) starts it here, before returning.
+
+        Example::
+
+            for payload in comp.start([Request(g1, "fc1.weight"), Request(g2, "fc2.weight")]):
+                send(payload)
+        """
+        return (self.compress(r.tensor, r.name, r.step, r.ratio) for r in requests)
+
+    def start_with_feedback(self, requests: list[Request],
+                            residuals: list[torch.Tensor]) -> Iterator[Payload | None]:
+        """:meth:`start` with error feedback fused in, each request with its residual (see
+        :meth:`compress_with_feedback`: None where there is no fused path)."""
+        return (self.compress_with_feedback(r.tensor, residual, r.name, r.step, r.ratio)
+                for r, residual in zip(requests, residuals))
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """A dense tensor of the payload's shape, dtype and device: zeros where nothing was sent."""

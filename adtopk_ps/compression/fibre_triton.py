@@ -234,10 +234,41 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
     ready (they were copied on the side stream); the views stay valid until the
     next call on ``stage``. Every item must be one :func:`applies` takes.
     """
+    return launch(items, stage).results()
+
+
+class Launched:
+    """A batch whose kernels and copy to host are queued: :meth:`results` waits for the copy
+    and returns each item's :class:`Selected`, so that the caller can queue more work on the
+    GPU (the next batch, in another stage) before it waits.
+
+    Example::
+
+        batch = launch(items, stage)   # kernels and copy queued; the host goes on
+        ...
+        selected = batch.results()     # waits for the copy
+    """
+
+    def __init__(self, items: list[Item], stage: Stage, layout: list, flags_at: int,
+                 starts: list[int], spans: list[int], host: torch.Tensor, buffer: torch.Tensor):
+        self.items, self.stage, self._layout, self._flags_at = items, stage, layout, flags_at
+        self._starts, self._spans, self._host, self._buffer = starts, spans, host, buffer
+
+    def results(self) -> list[Selected]:
+        """Each item's selection, once the host bytes have landed."""
+        self.stage.wait()
+        host, at = self._host, self._flags_at
+        return [_result(item, self._layout[i], self._buffer, host,
+                        bool(host[at + self._starts[i]:at + self._starts[i] + self._spans[i]].any()))
+                for i, item in enumerate(self.items)]
+
+
+def launch(items: list[Item], stage: Stage) -> Launched:
+    """Queue every item's selection (one launch per variant) and the copy of the results to
+    ``stage``'s host buffer, without waiting (see :class:`Launched`)."""
     if not items:
-        return []
+        return Launched([], stage, [], 0, [], [], stage.device_buffer(0), stage.device_buffer(0))
     kernel, _ = _triton()
-    device = items[0].x.device
     layout, flags_at = _lay_out(items)
     launches, starts, spans = _plan_launches(items)
     programs = sum(spans)
@@ -247,17 +278,14 @@ def select(items: list[Item], stage: Stage) -> list[Selected]:
             for value in _row(item, layout[i], buffer, starts[i] - first_of[i])]
     owners = [i for _, members, _ in launches for i in members for _ in range(spans[i])]
     table = stage.table(rows + owners)
-    with on_device(device):
+    with on_device(items[0].x.device):
         for v, members, first in launches:
             count = sum(spans[i] for i in members)
             kernel[(count,)](table, len(rows) + first, buffer[flags_at + first:],
                              **v.constants(), num_warps=v.warps,
                              enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
     host = stage.to_host(aligned(flags_at + programs))
-    stage.wait()
-    return [_result(item, layout[i], buffer, host,
-                    bool(host[flags_at + starts[i]:flags_at + starts[i] + spans[i]].any()))
-            for i, item in enumerate(items)]
+    return Launched(items, stage, layout, flags_at, starts, spans, host, buffer)
 
 
 def on_device(device: torch.device):

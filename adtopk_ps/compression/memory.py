@@ -7,11 +7,11 @@ a factor of two of it, and such differences are exact in floating point.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
-from .base import Compressor
+from .base import Compressor, Request
 from .payload import Payload
 
 EF_KINDS = ("vanilla",)
@@ -111,15 +111,31 @@ class ErrorFeedback(Compressor):
                  ratio: float | None = None) -> Payload:
         """Compress ``g + r`` and keep what was not sent as the new ``r``: in the wrapped
         compressor's fused pass where it has one for this call, else in three steps."""
-        residual = self.memory.matching(name, tensor)
-        if residual is not None:
-            payload = self._base.compress_with_feedback(tensor, residual, name, step, ratio)
-            if payload is not None:
-                return payload
-        compensated = self.memory.compensate(name, tensor)
-        payload = self._base.compress(compensated, name, step, ratio)
-        self.memory.update(name, compensated, payload)
-        return payload
+        return next(self.start([Request(tensor, name, step, ratio)]))
+
+    def start(self, requests: list[Request]) -> Iterator[Payload]:
+        """A batch, as :meth:`compress` does each: the wrapped compressor's fused pass starts
+        here for those with a residual that fits (one kernel launch for the batch on CUDA)."""
+        residuals = [self.memory.matching(r.name, r.tensor) for r in requests]
+        fused = [i for i, residual in enumerate(residuals) if residual is not None]
+        got = self._base.start_with_feedback([requests[i] for i in fused], [residuals[i] for i in fused])
+        return self._completed(requests, set(fused), got)
+
+    def _completed(self, requests: list[Request], fused: set[int],
+                   got: Iterator[Payload | None]) -> Iterator[Payload]:
+        """Each request's payload, in order: the fused pass's, or where it had none,
+        compensate, compress and update in three steps."""
+        for i, r in enumerate(requests):
+            payload = next(got) if i in fused else None
+            if payload is None:
+                compensated = self.memory.compensate(r.name, r.tensor)
+                payload = self._base.compress(compensated, r.name, r.step, r.ratio)
+                self.memory.update(r.name, compensated, payload)
+            yield payload
+
+    def restore(self, answer: torch.Tensor, name: str) -> None:
+        """The wrapped compressor's (ADTopk frees the staging the payload was sent from)."""
+        self._base.restore(answer, name)
 
     def forget(self, names: Iterable[str]) -> None:
         """Drop the residuals of these tensor names and of their partitions (``name#i``):

@@ -7,8 +7,13 @@ later work (the rest of the backward pass). Both buffers are kept and only
 grow: allocating pinned memory per payload costs more than the copy itself.
 
 What a call hands out (device and host views) stays valid until the next
-call on the same :class:`Stage`; callers keep one stage per tensor name, and
-a name is compressed again only after its previous round was answered.
+call on the same :class:`Stage`. A :class:`StagePool` hands a batch of tensors
+a stage that no payload on the wire still reads: the wire sends the pinned
+bytes without copying them, so a stage is reused only once every payload in it
+was answered, or its tensor staged again (which the engine does only after the
+previous round of that tensor was answered). Consecutive batches so take
+different stages: the next batch's kernels and copy queue while the previous
+copy still runs.
 """
 from __future__ import annotations
 
@@ -101,6 +106,53 @@ class Stage:
         if self._pending:
             self._copied.synchronize()
             self._pending = False
+
+
+class StagePool:
+    """Stages for batches of named tensors, each reused once nothing staged in it is in use.
+
+    Example::
+
+        pool = StagePool()
+        stage = pool.take(torch.device("cuda"), ["fc.weight", "conv.weight"])
+        ...                          # stage, send; the answers come back
+        pool.release("fc.weight")    # its answer landed
+        pool.release("conv.weight")  # now the stage is free for the next batch
+    """
+
+    def __init__(self, cuda: "CudaCalls | None" = None):
+        self._cuda = cuda
+        self._free: dict[torch.device, list[Stage]] = {}
+        self._holder: dict[str, Stage] = {}  # the stage each staged name's payload lives in
+        self._claims: dict[int, set[str]] = {}  # by id(stage): the names it still holds
+
+    def take(self, device: torch.device, names: list[str]) -> Stage:
+        """A stage for a batch of ``names`` on ``device``: these names' earlier payloads are
+        released first (staging a name again means its previous round was answered)."""
+        for name in names:
+            self.release(name)
+        free = self._free.setdefault(device, [])
+        stage = free.pop() if free else Stage(device, self._cuda)
+        self._claims[id(stage)] = set(names)
+        for name in names:
+            self._holder[name] = stage
+        return stage
+
+    def release(self, name: str) -> None:
+        """``name``'s payload is no longer read (its answer landed): its stage is free once
+        every name in it is."""
+        stage = self._holder.pop(name, None)
+        if stage is None:
+            return
+        claims = self._claims[id(stage)]
+        claims.discard(name)
+        if not claims:
+            del self._claims[id(stage)]
+            self._free.setdefault(stage.device, []).append(stage)
+
+    def __len__(self) -> int:
+        """Stages made so far, free or held."""
+        return len(self._claims) + sum(map(len, self._free.values()))
 
 
 def _grown(nbytes: int) -> int:
