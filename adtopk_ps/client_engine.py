@@ -30,8 +30,7 @@ import zmq
 
 from . import wire
 from .cluster import ClusterConfig, KeyLayout, part_name, server_of, split
-from .compression import Compressor
-from .compression.base import Request
+from .compression import Compressor, Request
 from .env import env_int
 from .liveness import PeerWatch
 from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send

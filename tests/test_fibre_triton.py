@@ -399,8 +399,7 @@ def test_empty_tensors_keep_the_cpu_path(cpu_kernel):
 def test_a_batch_is_one_launch_and_equals_one_call_each(cpu_kernel, monkeypatch):
     # the engine hands every tensor ready at once to one start(): the kernel's tensors go in
     # one launch() (one kernel launch per variant), each payload as one call's, residuals too
-    from adtopk_ps.compression import create
-    from adtopk_ps.compression.base import Request
+    from adtopk_ps.compression import Request
     shapes = [(16, 300), (8, 64, 3, 3), (4, 512), (6, 40, 4, 3)]
     steps = [[sample(s, torch.float32, 10 * t + i) for i, s in enumerate(shapes)] for t in range(3)]
     batched, alone = create("adtopk", ratio=0.05, ef="vanilla"), create("adtopk", ratio=0.05, ef="vanilla")
