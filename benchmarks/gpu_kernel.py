@@ -13,7 +13,8 @@ it prints one line as soon as it is measured:
   hooks) while the GPU is kept busy by a sleep kernel queued before each select(), so that
   every launch waits in the queue and no host work lies between the events;
 - host ms: the Python/torch work of select() around the launches (the wall time of a call
-  less the time it blocks waiting for the copy to host), in total and per select() call;
+  less the time it blocks waiting for the copy to host), in total, per select() call and
+  per tensor (goal: at most 20 us a tensor on the batched path);
 - wall ms: select() from call to host bytes ready, what a job waits for;
 
 and each against the references measured in the same run on the same tensors
@@ -57,6 +58,7 @@ from adtopk_ps.compression.staging import Stage  # noqa: E402
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("per-tensor", "batched")
 GOAL_TOPK, GOAL_READ = 0.5, 10.0
+GOAL_HOST_US = 20.0  # host work a tensor, batched
 FC1 = (4096, 25088)
 
 
@@ -317,13 +319,15 @@ def _ratio(value: float, reference: float, goal: float) -> str:
 
 
 HEADER = (f"  {'path':<10} {'ef':<3} {'selects':>7} {'launches':>8} {'kernel ms':>10} {'host ms':>9} "
-          f"{'host us/sel':>11} {'wall ms':>9}  {'kernel/topk':>12} {'kernel/read':>12} "
+          f"{'host us/sel':>11} {'host us/tensor':>15} {'wall ms':>9}  {'kernel/topk':>12} {'kernel/read':>12} "
           f"{'wall/topk':>12} {'wall/read':>12}")
 
 
-def line(path: str, feedback: bool, t: Times, refs: dict) -> str:
+def line(path: str, feedback: bool, t: Times, refs: dict, tensors: int) -> str:
+    per_tensor = t.host / tensors * 1e6
     return (f"  {path:<10} {'yes' if feedback else 'no':<3} {t.selects:>7} {t.launches:>8} "
             f"{t.kernel * 1e3:>10.3f} {t.host * 1e3:>9.3f} {t.host / t.selects * 1e6:>11.1f} "
+            f"{per_tensor:>10.1f} {'ok  ' if per_tensor <= GOAL_HOST_US else 'MISS'} "
             f"{t.wall * 1e3:>9.3f}  {_ratio(t.kernel, refs['topk'], GOAL_TOPK):>12} "
             f"{_ratio(t.kernel, refs['read'], GOAL_READ):>12} {_ratio(t.wall, refs['topk'], GOAL_TOPK):>12} "
             f"{_ratio(t.wall, refs['read'], GOAL_READ):>12}"
@@ -364,7 +368,7 @@ def bench_set(name: str, dtype_name: str, device: torch.device, density: float, 
         for path in PATHS:
             calls, stages = calls_of(items, path, device)
             t = measure_calls(calls, stages, launches, reps)
-            print(line(path, feedback, t, refs), flush=True)
+            print(line(path, feedback, t, refs, len(items)), flush=True)
             rows.append({"set": name, "dtype": dtype_name, "path": path, "feedback": feedback,
                          **asdict(t), **{f"ref_{k}": v for k, v in refs.items()}})
         del items
@@ -378,7 +382,7 @@ def bench_set(name: str, dtype_name: str, device: torch.device, density: float, 
     for feedback in (False, True):
         calls, stages = calls_of(items_of([grads[big]], feedback, density), "per-tensor", device)
         t = measure_calls(calls, stages, launches, reps)
-        print(line(f"{label.split()[0]}", feedback, t, one), flush=True)
+        print(line(f"{label.split()[0]}", feedback, t, one, 1), flush=True)
         rows.append({"set": name, "dtype": dtype_name, "path": f"single {shape}", "feedback": feedback,
                      **asdict(t), **{f"ref_{k}": v for k, v in one.items()}})
     return rows

@@ -95,9 +95,9 @@ JOB_SETS = tuple(sorted(p.stem for p in CONFIGS.glob("*.yaml")))
 # --quick: the main job's model (both its sparse tensors), in float32 and bfloat16, with
 # error feedback as the job runs it
 QUICK_SETS, QUICK_DTYPES, QUICK_FEEDBACK = ["digits-cnn"], ["float32", "bfloat16"], (True,)
-COLUMNS = ("dtype", "ef", "n", "tensors", "fb", "bn", "warps", "regs", "stack", "smem", "sass",
+COLUMNS = ("dtype", "ef", "n", "tensors", "fb", "tile", "warps", "regs", "stack", "smem", "sass",
            "loops", "instr/warp", "instr/elem", "compile_s", "budget", "used-by")
-WIDTHS = (8, 3, 11, 7, 4, 6, 5, 4, 5, 6, 6, 13, 10, 10, 9, 6, 0)
+WIDTHS = (8, 3, 11, 7, 4, 11, 5, 4, 5, 6, 6, 13, 10, 10, 9, 6, 0)
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ class Row:
     feedback: bool
     fb: int
     bn: int
+    tile: str  # segments x positions a segment / positions a thread holds
     warps: int
     loop_trips: int
     uses: list[Use]
@@ -379,7 +380,8 @@ def collect(sets: list[str], dtypes: list[str], feedbacks: tuple[bool, ...]
 def _row_of(variant: "fibre_triton.Variant", uses: list[Use]) -> Row:
     """The row of ``variant``, to be measured."""
     return Row(str(variant.dtype).removeprefix("torch."), variant.feedback, variant.fb,
-               variant.bn, variant.warps, variant.loop_trips, uses)
+               variant.bn, f"{variant.seg}x{variant.bs}/{variant.runs}", variant.warps,
+               variant.loop_trips, uses)
 
 
 def check(row: Row) -> list[str]:
@@ -408,7 +410,7 @@ def check(row: Row) -> list[str]:
 def _name_of(row: Row) -> str:
     """How a variant is named in the lists after the table."""
     return (f"{row.dtype} {'with' if row.feedback else 'without'} feedback, n={_span(row)} "
-            f"(fb {row.fb}, bn {row.bn}, {row.warps} warps)")
+            f"(fb {row.fb}, tile {row.tile}, {row.warps} warps)")
 
 
 def _span(row: Row) -> str:
@@ -446,7 +448,7 @@ def format_row(row: Row) -> str:
     """
     measured = row.estimate is not None
     cells = [row.dtype, "yes" if row.feedback else "no", _span(row),
-             len({(u.where, u.tensor) for u in row.uses}), row.fb, row.bn, row.warps]
+             len({(u.where, u.tensor) for u in row.uses}), row.fb, row.tile, row.warps]
     if measured:
         e = row.estimate
         cells += [row.registers, row.stack, row.shared, e.static, loops_cell(e), e.per_warp,
@@ -475,7 +477,8 @@ def _legend() -> str:
         f"<= {MAX_INSTRUCTIONS_PER_ELEMENT} thread-instructions per element, "
         f"compile < {MAX_COMPILE_S:g} CPU seconds.",
         "ef: error feedback; n: fibre lengths using the variant; fb: fibres per program; "
-        "bn: tile columns; smem: shared bytes the launch asks; sass: static SASS instructions;",
+        "tile: segments x positions a segment / adjacent positions a thread holds; smem: shared "
+        "bytes the launch asks; sass: static SASS instructions;",
         "loops: the back-edge's body counted loop_trips times (trips x body), +N? other "
         "back-edges flagged and counted once, - none (unrolled);",
         "instr/warp: straight-line SASS once plus that loop; instr/elem: instr/warp * warps * 32 "

@@ -68,7 +68,7 @@ def test_the_pinned_table_is_rewritten_only_after_its_upload_ran():
     stage, calls = _stage()
     for rows in ([1, 2, 3], [4, 5], list(range(100))):  # the last one grows the buffers
         assert stage._uploaded.queued is False or calls.log[-1] == "record uploaded"
-        table = stage.table(rows)
+        table = stage.table(torch.tensor(rows))
         assert table.tolist() == rows
         assert stage._uploaded.queued  # this upload is in the stream
     uploads = [e for e in calls.log if e.endswith("uploaded")]

@@ -184,7 +184,7 @@ def _scatter(ptrs, bits, mask, WIDTH: tl.constexpr):
 
 
 @triton.jit
-def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
+def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: tl.constexpr,
            INF_KEY: tl.constexpr, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr,
            RUNS: tl.constexpr, VEC: tl.constexpr, FEEDBACK: tl.constexpr, KEEP: tl.constexpr,
            ASM: tl.constexpr, W: tl.constexpr):
@@ -194,7 +194,7 @@ def kernel(table, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr, BITS: t
     ``VEC`` 4: fibres adjacent in memory, read four entries at a time; 1: strided fibres,
     whose neighbours in memory are other fibres (a warp's lanes take several side by side)."""
     pid = tl.program_id(0)
-    row = table + tl.load(table + owners_at + pid) * W
+    row = table + tl.load(owners + owners_at + pid) * W
     x_ptr = tl.load(row + 0).to(tl.pointer_type(DT))
     g_ptr = tl.load(row + 1).to(tl.pointer_type(DT))
     v_ptr = tl.load(row + 2).to(tl.pointer_type(DT))

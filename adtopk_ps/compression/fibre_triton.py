@@ -31,10 +31,10 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from ..dtypes import index_dtype, wire_name
-from .select import live_rows
 from .staging import Stage, aligned
 
 # bits of |x| below the sign, and the key of an infinity (a NaN's key is clipped to it)
@@ -52,7 +52,7 @@ _MAX_THREADS, _MIN_WARPS = 512, 4
 # power of two that pad it by at most 1/_PAD
 _WHOLE, _MAX_SEG, _PAD = 128, 16, 8
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
-SIGNATURE = {"table": "*i64", "owners_at": "i32", "flags": "*u8"}
+SIGNATURE = {"table": "*i64", "owners": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program
 _COLUMNS = 15
 _TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
@@ -127,6 +127,7 @@ class Variant:
                     FEEDBACK=self.feedback, KEEP=self.keeps_sums, ASM=not interpreted(), W=_COLUMNS)
 
 
+@lru_cache(maxsize=4096)
 def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool = True) -> Variant | None:
     """The variant that selects ``k`` of fibres of length ``n`` (``contiguous``: whose
     positions are adjacent in memory); None where the kernel does not take them
@@ -257,9 +258,12 @@ class Launched:
     def results(self) -> list[Selected]:
         """Each item's selection, once the host bytes have landed."""
         self.stage.wait()
-        host, at = self._host, self._flags_at
-        return [_result(item, self._layout[i], self._buffer, host,
-                        bool(host[at + self._starts[i]:at + self._starts[i] + self._spans[i]].any()))
+        if not self.items:
+            return []
+        host = self._host.numpy()  # small reads on the host: numpy's, which cost less than torch's
+        flags = np.concatenate([[0], np.cumsum(host[self._flags_at:self._flags_at + sum(self._spans)])])
+        return [_result(item, self._layout[i], self._buffer, self._host, host,
+                        bool(flags[self._starts[i] + self._spans[i]] > flags[self._starts[i]]))
                 for i, item in enumerate(self.items)]
 
 
@@ -269,19 +273,27 @@ def launch(items: list[Item], stage: Stage) -> Launched:
     if not items:
         return Launched([], stage, [], 0, [], [], stage.device_buffer(0), stage.device_buffer(0))
     kernel, _ = _triton()
+    views = [_views(item, items[0].x) for item in items]
+    variants = _variants(items, views)
     layout, flags_at = _lay_out(items)
-    launches, starts, spans = _plan_launches(items)
-    programs = sum(spans)
+    launches, order, spans = _plan_launches(variants, views)
+    starts = [0] * len(items)
+    programs = 0
+    for i in order:
+        starts[i], programs = programs, programs + spans[i]
     buffer = stage.device_buffer(aligned(flags_at + programs))
-    first_of = {i: first for _, members, first in launches for i in members}
-    rows = [value for i, item in enumerate(items)
-            for value in _row(item, layout[i], buffer, starts[i] - first_of[i])]
-    owners = [i for _, members, _ in launches for i in members for _ in range(spans[i])]
-    table = stage.table(rows + owners)
+    base = buffer.data_ptr()
+    rows = torch.tensor([_row(x3, g3, item.k, base, layout[i], starts[i] - launches[v][1])
+                         for i, (item, (x3, g3), v) in enumerate(zip(items, views, variants))],
+                        dtype=torch.int64).view(-1)
+    # the table holds the rows, then the items in program order and their programs; each
+    # program's item is spread out on the device (one small upload, whatever the programs)
+    table = stage.table(torch.cat([rows, torch.tensor(order), torch.tensor([spans[i] for i in order])]))
+    at, m = rows.numel(), len(order)
+    owners = torch.repeat_interleave(table[at:at + m], table[at + m:], output_size=programs)
     with on_device(items[0].x.device):
-        for v, members, first in launches:
-            count = sum(spans[i] for i in members)
-            kernel[(count,)](table, len(rows) + first, buffer[flags_at + first:],
+        for v, (count, first) in launches.items():
+            kernel[(count,)](table, owners, first, buffer[flags_at + first:],
                              **v.constants(), num_warps=v.warps,
                              enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
     host = stage.to_host(aligned(flags_at + programs))
@@ -300,50 +312,61 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def _views(item: Item, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The item's x and grad as [A, n, R] (grad: x's view where there is none); an item the
+    kernel cannot take, or unlike the batch's ``first``, is refused by name."""
+    x, grad = item.x, item.grad
+    if grad is not None and (grad.shape, grad.dtype, grad.device) != (x.shape, x.dtype, x.device):
+        raise ValueError(f"fibre kernel: grad {tuple(grad.shape)} {grad.dtype} does "
+                         f"not match {tuple(x.shape)} {x.dtype}")
+    why = refusal(x, grad)
+    if x.dtype != first.dtype or x.device != first.device or why:
+        raise ValueError(f"fibre kernel: {why or f'every tensor must be {first.dtype} on {first.device}'}; "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if not 1 <= item.k <= x.shape[1]:
+        raise ValueError(f"fibre kernel: k={item.k} outside [1, {x.shape[1]}] for {tuple(x.shape)}")
+    x3 = _three_d(x)
+    return x3, (_three_d(grad) if grad is not None else x3)
+
+
 def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]], int]:
     """Where each item's values and indices go in the stage's buffer (values at, indices at,
-    count, index dtype), and the bytes they take; items the kernel cannot take are refused."""
-    dtype, device = items[0].x.dtype, items[0].x.device
+    count, index dtype), and the bytes they take."""
     layout, at = [], 0
     for item in items:
         x = item.x
-        if item.grad is not None and (item.grad.shape, item.grad.dtype, item.grad.device) != \
-                (x.shape, x.dtype, x.device):
-            raise ValueError(f"fibre kernel: grad {tuple(item.grad.shape)} {item.grad.dtype} does "
-                             f"not match {tuple(x.shape)} {x.dtype}")
-        why = refusal(x, item.grad)
-        if x.dtype != dtype or x.device != device or why:
-            raise ValueError(f"fibre kernel: {why or f'every tensor must be {dtype} on {device}'}; "
-                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-        n = x.shape[1]
-        if not 1 <= item.k <= n:
-            raise ValueError(f"fibre kernel: k={item.k} outside [1, {n}] for {tuple(x.shape)}")
         count = x.shape[0] * item.k * math.prod(x.shape[2:])
-        idt = index_dtype(n)
+        idt = index_dtype(x.shape[1])
         values_at, at = at, aligned(at + count * x.element_size())
         indices_at, at = at, aligned(at + count * idt.itemsize)
         layout.append((values_at, indices_at, count, idt))
     return layout, at
 
 
-def _plan_launches(items: list[Item]) -> tuple[list[tuple[Variant, list[int], int]], list[int], list[int]]:
-    """One launch per variant: (variant, its items, its first program); each item's first
-    program and number of programs. Programs are numbered across launches, so that item i
-    owns flags[starts[i]:starts[i] + spans[i]]. A variant's tile is the same for every
-    tensor (a small tensor's last program is mostly padding), so what runs is what
+def _variants(items: list[Item], views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Variant]:
+    return [variant(x3.shape[1], item.k, x3.dtype, item.grad is not None,
+                    _in_fours(x3) and (item.grad is None or _in_fours(g3)))
+            for item, (x3, g3) in zip(items, views)]
+
+
+def _plan_launches(variants: list[Variant], views: list[tuple[torch.Tensor, torch.Tensor]]
+                   ) -> tuple[dict[Variant, tuple[int, int]], list[int], list[int]]:
+    """One launch per variant: {variant: (its programs, its first program)}; the items in
+    program order; each item's number of programs. Programs are numbered across launches, so
+    that an item owns one run of flags. A variant's tile is the same for every tensor (a
+    small tensor's last program is mostly padding), so what runs is what
     benchmarks/kernel_budget.py compiles."""
     groups: dict[Variant, list[int]] = {}
-    for i, item in enumerate(items):
-        adjacent = all(_in_fours(_three_d(t)) for t in (item.x, item.grad) if t is not None)
-        v = variant(item.x.shape[1], item.k, item.x.dtype, item.grad is not None, adjacent)
+    spans = []
+    for i, (v, (x3, _)) in enumerate(zip(variants, views)):
         groups.setdefault(v, []).append(i)
-    launches, starts, spans, programs = [], [0] * len(items), [0] * len(items), 0
+        spans.append(-(-(x3.shape[0] * x3.shape[2]) // v.fb))
+    launches, order, programs = {}, [], 0
     for v, members in groups.items():
-        launches.append((v, members, programs))
-        for i in members:
-            starts[i], spans[i] = programs, -(-_fibres(items[i].x) // v.fb)
-            programs += spans[i]
-    return launches, starts, spans
+        count = sum(spans[i] for i in members)
+        launches[v], programs = (count, programs), programs + count
+        order += members
+    return launches, order, spans
 
 
 def _in_fours(view: torch.Tensor) -> bool:
@@ -353,25 +376,18 @@ def _in_fours(view: torch.Tensor) -> bool:
             and view.stride(0) % 4 == 0 and (view.shape[2] == 1 or view.stride(2) % 4 == 0))
 
 
-def _fibres(x: torch.Tensor) -> int:
-    return x.shape[0] * math.prod(x.shape[2:])
-
-
-def _row(item: Item, layout: tuple, buffer: torch.Tensor, first: int) -> list[int]:
-    """The item's row of the table: pointers, sizes, strides and its first program."""
-    x3 = _three_d(item.x)
-    grad3 = _three_d(item.grad) if item.grad is not None else x3
+def _row(x3: torch.Tensor, g3: torch.Tensor, k: int, base: int, layout: tuple, first: int) -> list[int]:
+    """An item's row of the table: pointers, sizes, strides and its first program."""
     values_at, indices_at, _, _ = layout
-    base = buffer.data_ptr()
-    return [x3.data_ptr(), grad3.data_ptr(), base + values_at, base + indices_at, x3.shape[1],
-            item.k, x3.shape[2], _fibres(x3), *x3.stride(), *grad3.stride(), first]
+    return [x3.data_ptr(), g3.data_ptr(), base + values_at, base + indices_at, x3.shape[1],
+            k, x3.shape[2], x3.shape[0] * x3.shape[2], *x3.stride(), *g3.stride(), first]
 
 
 def _region(buffer: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     return buffer[at:at + count * dtype.itemsize].view(dtype)
 
 
-def _result(item: Item, layout: tuple, buffer: torch.Tensor, host: torch.Tensor,
+def _result(item: Item, layout: tuple, buffer: torch.Tensor, host: torch.Tensor, host_np: np.ndarray,
             nonfinite: bool) -> Selected:
     """One item's views, with the rows that selected only zeros left out (found on the host
     copy, which is small: k entries a fibre)."""
@@ -382,9 +398,26 @@ def _result(item: Item, layout: tuple, buffer: torch.Tensor, host: torch.Tensor,
         _region(buffer, indices_at, count, idt).view(shape)
     host_values, host_indices = _region(host, values_at, count, dtype).view(shape), \
         _region(host, indices_at, count, idt).view(shape)
-    rows = live_rows(host_values)
+    rows = _live_rows(host_np, values_at, count, dtype, shape[0])
     if rows is not None:
         on_device = rows.to(values.device, non_blocking=True)
         values, indices = values.index_select(0, on_device), indices.index_select(0, on_device)
         host_values, host_indices = host_values.index_select(0, rows), host_indices.index_select(0, rows)
     return Selected(values, indices, host_values, host_indices, rows, nonfinite)
+
+
+_BITS_OF = {4: np.int32, 2: np.int16}
+
+
+def _live_rows(host: np.ndarray, at: int, count: int, dtype: torch.dtype, lead: int) -> torch.Tensor | None:
+    """select.live_rows's rule (rows with a nonzero value, a NaN counting, -0.0 not) on the
+    host bytes, read as integers with the sign bit masked: numpy's few microseconds a tensor
+    where torch's ops cost tens, for every tensor of a batch."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    bits = host[at:at + count * size].view(_BITS_OF[size]).reshape(lead, -1)
+    if bits.shape[1] == 0:
+        return None
+    live = (bits & np.array(np.iinfo(bits.dtype).max, dtype=bits.dtype)).any(1)
+    if live.all():
+        return None
+    return torch.from_numpy(np.flatnonzero(live))

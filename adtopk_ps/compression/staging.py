@@ -66,20 +66,20 @@ class Stage:
             self._device = self._empty(_grown(nbytes), torch.uint8)
         return self._device[:nbytes]
 
-    def table(self, rows: list[int]) -> torch.Tensor:
-        """``rows`` as an int64 tensor on the device, uploaded through a reused pinned buffer.
+    def table(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (int64, on the host) on the device, uploaded through a reused pinned buffer.
 
         The pinned buffer is rewritten only once the previous upload from it has run (an
         event after each upload): rewritten while that copy still waits in the stream, it
         would hand the earlier launch this call's table."""
         if self.cuda:
             self._uploaded.synchronize()
-        n = len(rows)
+        n = rows.numel()
         if self._table_host.numel() < n:
             size = _grown(n)
             self._table_host = self._pinned(size, torch.int64)
             self._table = self._empty(size, torch.int64)
-        self._table_host[:n] = torch.tensor(rows, dtype=torch.int64)
+        self._table_host[:n] = rows
         if not self.cuda:
             return self._table_host[:n]
         table = self._table[:n].copy_(self._table_host[:n], non_blocking=True)
