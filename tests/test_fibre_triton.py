@@ -381,6 +381,27 @@ def test_cuda_payloads_equal_the_cpu_ones(shape, dtype):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED or triton is None,
+                    reason="needs a CUDA device and triton (compiled, not interpreted)")
+def test_cuda_batch_equals_the_cpu_calls():
+    # the engine's path on a GPU: every tensor of a step in one start() (one launch a
+    # variant, a stage of the pool), float32 payloads and residuals equal to the CPU's calls
+    from adtopk_ps.compression import Request
+    shapes = [(64, 3, 7, 7), (64, 64, 3, 3), (256, 512, 1, 1), (512, 2048), (300, 3072), (64, 25088)]
+    spec = {"compressor": "adtopk", "k": 0.01, "ef": "vanilla"}
+    cpu, gpu = create(spec), create(spec)
+    for step in range(4):
+        grads = [sample(s, torch.float32, 10 * step + i, ties=step == 2) for i, s in enumerate(shapes)]
+        names = [f"t{i}" for i in range(len(shapes))]
+        got = list(gpu.start([Request(g.cuda(), n, step) for g, n in zip(grads, names)]))
+        for g, n, b in zip(grads, names, got):
+            a = cpu.compress(g, n, step)
+            assert b.host is not None
+            assert same_bits(a.values, b.values.cpu()) and same_bits(a.indices, b.indices.cpu())
+            assert same_bits(cpu.memory.residuals[n], gpu.memory.residuals[n].cpu())
+            gpu.restore(None, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED or triton is None,
                     reason="on GPU machines the interpreted tests run in a subprocess")
 def test_interpreted_tests_pass_in_a_subprocess():
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", str(Path(__file__)),
