@@ -422,7 +422,8 @@ def test_a_batch_is_one_launch_and_equals_one_call_each(cpu_kernel, monkeypatch)
     # one launch() (one kernel launch per variant), each payload as one call's, residuals too
     from adtopk_ps.compression import Request
     shapes = [(16, 300), (8, 64, 3, 3), (4, 512), (6, 40, 4, 3)]
-    steps = [[sample(s, torch.float32, 10 * t + i) for i, s in enumerate(shapes)] for t in range(3)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16]  # a launch a dtype
+    steps = [[sample(s, d, 10 * t + i) for i, (s, d) in enumerate(zip(shapes, dtypes))] for t in range(3)]
     batched, alone = create("adtopk", ratio=0.05, ef="vanilla"), create("adtopk", ratio=0.05, ef="vanilla")
     launches, counting = [], []
     real = fibre_triton.launch
@@ -440,8 +441,9 @@ def test_a_batch_is_one_launch_and_equals_one_call_each(cpu_kernel, monkeypatch)
         for n in names:
             assert same_bits(batched.memory.residuals[n], alone.memory.residuals[n])
             batched.restore(None, n)
-    # step 0 has no residuals yet (compensated in three steps, a launch each); then one a step
-    assert launches == [1, 1, 1, 1, 4, 4], launches
+    # step 0 has no residuals yet (compensated in three steps, a launch each); then one a
+    # step for each dtype
+    assert launches == [1, 1, 1, 1, 2, 1, 1, 2, 1, 1], launches
     # a stage each for step 0's calls (each made while the others' payloads were still out),
     # reused by the batches after: the pool does not grow step after step
     assert len(batched.base._stages) == 4

@@ -137,28 +137,28 @@ class ADTopk(Compressor):
 
     def _launched(self, requests: list[Request], items: dict[int, "fibre_triton.Item"],
                   residuals: list[torch.Tensor | None] | None = None) -> Iterator[Payload | None]:
-        """Launch ``items`` (one batch a device, in a stage of the pool), then yield each
+        """Launch ``items`` (one batch a device and dtype, in a stage of the pool), then yield each
         request's payload in order: the kernel's (device views, their bytes already in
         pinned host memory, valid until the answer is restored or the name staged again),
         or one call's."""
-        batches: dict[torch.device, list[int]] = {}
-        for i in items:
-            batches.setdefault(requests[i].tensor.device, []).append(i)
-        launched = {device: (members, fibre_triton.launch(
+        batches: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in items:  # a launch takes one device and one dtype
+            batches.setdefault((requests[i].tensor.device, requests[i].tensor.dtype), []).append(i)
+        launched = {where: (members, fibre_triton.launch(
             [items[i] for i in members],
-            self._stages.take(device, [requests[i].name for i in members])))
-            for device, members in batches.items()}
+            self._stages.take(where[0], [requests[i].name for i in members])))
+            for where, members in batches.items()}
         return self._yielded(requests, items, residuals, launched)
 
     def _yielded(self, requests: list[Request], items: dict[int, "fibre_triton.Item"],
                  residuals: list[torch.Tensor | None] | None,
-                 launched: dict[torch.device, tuple[list[int], "fibre_triton.Launched"]]
+                 launched: dict[tuple[torch.device, torch.dtype], tuple[list[int], "fibre_triton.Launched"]]
                  ) -> Iterator[Payload | None]:
         got: dict[int, fibre_triton.Selected] = {}
         for i, r in enumerate(requests):
             if i in items:
                 if i not in got:  # the first of its batch: wait for the batch's copy
-                    members, batch = launched[r.tensor.device]
+                    members, batch = launched[r.tensor.device, r.tensor.dtype]
                     got.update(zip(members, batch.results()))
                 view = tuple(items[i].x.shape)
                 s = got.pop(i)
