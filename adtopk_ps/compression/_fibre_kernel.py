@@ -15,7 +15,8 @@ is 3 x 256), each segment a tile [RUNS // VEC, FB, BS // RUNS, VEC] in which a t
    in the low half, equal in the high half): within the thread, then one count a thread
    across threads, segment by segment, so that positions come out ascending;
 4. reads back the few selected entries, writes their values and positions, zeroes them
-   in the residual, and sets the program's flag byte where one is a NaN or an infinity.
+   in the residual, sets the program's flag byte where one is a NaN or an infinity, and
+   a byte a fibre where it selected a nonzero entry (the host leaves out dead rows).
 """
 from __future__ import annotations
 
@@ -202,6 +203,7 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
     n, k, R, fibres = tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
     sxa, sxn, sxr = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
     first = tl.load(row + 14)
+    live_ptr = tl.load(row + 15).to(tl.pointer_type(tl.uint8))
 
     k, R = k.to(tl.int32), R.to(tl.int32)
     f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
@@ -238,6 +240,8 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
     for s in tl.static_range(1, SEG):
         largest = tl.maximum(largest, _along_max(keys[s]))
     bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
+    # a fibre whose largest key is 0 selects only zeros: the host leaves out rows of such fibres
+    tl.store(live_ptr + f, (largest > 0).to(tl.uint8), mask=f < fibres)
     # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
     at_most = _below(keys[0], kth + 1, ASM)
     for s in tl.static_range(1, SEG):

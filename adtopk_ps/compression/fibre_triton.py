@@ -53,8 +53,8 @@ _MAX_THREADS, _MIN_WARPS = 512, 4
 _WHOLE, _MAX_SEG, _PAD = 128, 16, 8
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners": "*i64", "owners_at": "i32", "flags": "*u8"}
-# one row of the table per tensor: pointers, sizes, strides, its first program
-_COLUMNS = 15
+# one row of the table per tensor: pointers, sizes, strides, its first program, its live bytes
+_COLUMNS = 16
 _TL_INDEX = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}  # int16: uint16's bits
 
 
@@ -262,7 +262,8 @@ class Launched:
             return []
         host = self._host.numpy()  # small reads on the host: numpy's, which cost less than torch's
         flags = np.concatenate([[0], np.cumsum(host[self._flags_at:self._flags_at + sum(self._spans)])])
-        return [_result(item, self._layout[i], self._buffer, self._host, host,
+        typed = _Typed(self._buffer, self._host)
+        return [_result(item, self._layout[i], typed, host,
                         bool(flags[self._starts[i] + self._spans[i]] > flags[self._starts[i]]))
                 for i, item in enumerate(self.items)]
 
@@ -329,17 +330,19 @@ def _views(item: Item, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return x3, (_three_d(grad) if grad is not None else x3)
 
 
-def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, torch.dtype]], int]:
-    """Where each item's values and indices go in the stage's buffer (values at, indices at,
-    count, index dtype), and the bytes they take."""
+def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, int, torch.dtype]], int]:
+    """Where each item's values, indices and live bytes (one a fibre) go in the stage's buffer
+    (values at, indices at, live at, count, index dtype), and the bytes they take."""
     layout, at = [], 0
     for item in items:
         x = item.x
-        count = x.shape[0] * item.k * math.prod(x.shape[2:])
+        fibres = x.shape[0] * math.prod(x.shape[2:])
+        count = fibres * item.k
         idt = index_dtype(x.shape[1])
         values_at, at = at, aligned(at + count * x.element_size())
         indices_at, at = at, aligned(at + count * idt.itemsize)
-        layout.append((values_at, indices_at, count, idt))
+        live_at, at = at, aligned(at + fibres)
+        layout.append((values_at, indices_at, live_at, count, idt))
     return layout, at
 
 
@@ -378,46 +381,42 @@ def _in_fours(view: torch.Tensor) -> bool:
 
 def _row(x3: torch.Tensor, g3: torch.Tensor, k: int, base: int, layout: tuple, first: int) -> list[int]:
     """An item's row of the table: pointers, sizes, strides and its first program."""
-    values_at, indices_at, _, _ = layout
+    values_at, indices_at, live_at, _, _ = layout
     return [x3.data_ptr(), g3.data_ptr(), base + values_at, base + indices_at, x3.shape[1],
-            k, x3.shape[2], x3.shape[0] * x3.shape[2], *x3.stride(), *g3.stride(), first]
+            k, x3.shape[2], x3.shape[0] * x3.shape[2], *x3.stride(), *g3.stride(), first,
+            base + live_at]
 
 
-def _region(buffer: torch.Tensor, at: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    return buffer[at:at + count * dtype.itemsize].view(dtype)
+class _Typed:
+    """The device buffer and its host mirror seen as each dtype once, so that an item's
+    regions are a slice and a view each (every region starts aligned for any dtype)."""
+
+    def __init__(self, buffer: torch.Tensor, host: torch.Tensor):
+        self._raw, self._views = (buffer, host), {}
+
+    def regions(self, at: int, count: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) views of ``count`` entries of ``dtype`` from byte ``at``, as ``shape``."""
+        views = self._views.get(dtype)
+        if views is None:
+            views = self._views[dtype] = tuple(t[:t.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+                                               for t in self._raw)
+        first = at // dtype.itemsize
+        return tuple(v[first:first + count].view(shape) for v in views)
 
 
-def _result(item: Item, layout: tuple, buffer: torch.Tensor, host: torch.Tensor, host_np: np.ndarray,
-            nonfinite: bool) -> Selected:
-    """One item's views, with the rows that selected only zeros left out (found on the host
-    copy, which is small: k entries a fibre)."""
-    values_at, indices_at, count, idt = layout
-    dtype = item.x.dtype
+def _result(item: Item, layout: tuple, typed: _Typed, host_np: np.ndarray, nonfinite: bool) -> Selected:
+    """One item's views, with the rows that selected only zeros left out (the kernel's byte a
+    fibre, read on the host: a row is live where one of its fibres is)."""
+    values_at, indices_at, live_at, count, idt = layout
     shape = (item.x.shape[0], item.k, *item.x.shape[2:])
-    values, indices = _region(buffer, values_at, count, dtype).view(shape), \
-        _region(buffer, indices_at, count, idt).view(shape)
-    host_values, host_indices = _region(host, values_at, count, dtype).view(shape), \
-        _region(host, indices_at, count, idt).view(shape)
-    rows = _live_rows(host_np, values_at, count, dtype, shape[0])
-    if rows is not None:
+    values, host_values = typed.regions(values_at, count, item.x.dtype, shape)
+    indices, host_indices = typed.regions(indices_at, count, idt, shape)
+    live = host_np[live_at:live_at + count // item.k].reshape(shape[0], -1).any(1)
+    if not live.all():
+        rows = torch.from_numpy(np.flatnonzero(live))
         on_device = rows.to(values.device, non_blocking=True)
         values, indices = values.index_select(0, on_device), indices.index_select(0, on_device)
         host_values, host_indices = host_values.index_select(0, rows), host_indices.index_select(0, rows)
+    else:
+        rows = None
     return Selected(values, indices, host_values, host_indices, rows, nonfinite)
-
-
-_BITS_OF = {4: np.int32, 2: np.int16}
-
-
-def _live_rows(host: np.ndarray, at: int, count: int, dtype: torch.dtype, lead: int) -> torch.Tensor | None:
-    """select.live_rows's rule (rows with a nonzero value, a NaN counting, -0.0 not) on the
-    host bytes, read as integers with the sign bit masked: numpy's few microseconds a tensor
-    where torch's ops cost tens, for every tensor of a batch."""
-    size = torch.empty(0, dtype=dtype).element_size()
-    bits = host[at:at + count * size].view(_BITS_OF[size]).reshape(lead, -1)
-    if bits.shape[1] == 0:
-        return None
-    live = (bits & np.array(np.iinfo(bits.dtype).max, dtype=bits.dtype)).any(1)
-    if live.all():
-        return None
-    return torch.from_numpy(np.flatnonzero(live))
