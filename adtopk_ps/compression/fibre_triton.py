@@ -194,17 +194,22 @@ def refusal(x: torch.Tensor, grad: torch.Tensor | None = None) -> str | None:
     """Why the kernel cannot take ``x`` (and ``grad``), or None: its dtype, fewer than two
     dimensions, fibres longer than :data:`MAX_N`, trailing axes that do not merge into one
     without a copy, or a fibre whose offsets pass 32 bits."""
+    return _refusal(x, grad)[0]
+
+
+def _refusal(x: torch.Tensor, grad: torch.Tensor | None) -> tuple[str | None, tuple]:
+    """(:func:`refusal`'s answer, the views [A, n, R] of x and grad it made on the way)."""
     if x.dtype not in DTYPES or x.dim() < 2:
-        return f"every tensor must be one of {[str(d) for d in DTYPES]} with dim() >= 2"
+        return f"every tensor must be one of {[str(d) for d in DTYPES]} with dim() >= 2", ()
     if x.shape[1] > MAX_N:
-        return f"fibres of {x.shape[1]} entries are longer than {MAX_N}"
-    for t in (x, grad):
-        view = None if t is None else _three_d(t)
-        if t is not None and view is None:
-            return "its trailing axes cannot be viewed as one without a copy"
-        if view is not None and (view.shape[1] - 1) * abs(view.stride(1)) >= 2**31:
-            return "a fibre's offsets pass 32 bits"
-    return None
+        return f"fibres of {x.shape[1]} entries are longer than {MAX_N}", ()
+    views = tuple(_three_d(t) for t in ((x,) if grad is None else (x, grad)))
+    for view in views:
+        if view is None:
+            return "its trailing axes cannot be viewed as one without a copy", ()
+        if (view.shape[1] - 1) * abs(view.stride(1)) >= 2**31:
+            return "a fibre's offsets pass 32 bits", ()
+    return None, views
 
 
 @dataclass
@@ -320,14 +325,13 @@ def _views(item: Item, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if grad is not None and (grad.shape, grad.dtype, grad.device) != (x.shape, x.dtype, x.device):
         raise ValueError(f"fibre kernel: grad {tuple(grad.shape)} {grad.dtype} does "
                          f"not match {tuple(x.shape)} {x.dtype}")
-    why = refusal(x, grad)
+    why, views = _refusal(x, grad)
     if x.dtype != first.dtype or x.device != first.device or why:
         raise ValueError(f"fibre kernel: {why or f'every tensor must be {first.dtype} on {first.device}'}; "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
     if not 1 <= item.k <= x.shape[1]:
         raise ValueError(f"fibre kernel: k={item.k} outside [1, {x.shape[1]}] for {tuple(x.shape)}")
-    x3 = _three_d(x)
-    return x3, (_three_d(grad) if grad is not None else x3)
+    return views[0], views[-1]
 
 
 def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, int, torch.dtype]], int]:
