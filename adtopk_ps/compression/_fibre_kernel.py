@@ -203,7 +203,6 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
     n, k, R, fibres = tl.load(row + 4), tl.load(row + 5), tl.load(row + 6), tl.load(row + 7)
     sxa, sxn, sxr = tl.load(row + 8), tl.load(row + 9), tl.load(row + 10)
     first = tl.load(row + 14)
-    live_ptr = tl.load(row + 15).to(tl.pointer_type(tl.uint8))
 
     k, R = k.to(tl.int32), R.to(tl.int32)
     f = (pid - first).to(tl.int32) * FB + tl.arange(0, FB)
@@ -235,18 +234,22 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
             x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
             tl.store(x_ptrs, x, mask=valid)
         keys = keys + (_key(x, valid, BITS, INF_KEY),)
-    kth = _across(_kth_key(keys, k, FB, SEG, BS, BITS, ASM))
+    kth_f = _kth_key(keys, k, FB, SEG, BS, BITS, ASM)
+    kth = _across(kth_f)
     largest = _along_max(keys[0])
     for s in tl.static_range(1, SEG):
         largest = tl.maximum(largest, _along_max(keys[s]))
     bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
-    # a fibre whose largest key is 0 selects only zeros: the host leaves out rows of such fibres
-    tl.store(live_ptr + f, (largest > 0).to(tl.uint8), mask=f < fibres)
     # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
     at_most = _below(keys[0], kth + 1, ASM)
     for s in tl.static_range(1, SEG):
         at_most += _below(keys[s], kth + 1, ASM)
-    need = _across(k - SEG * BS + _along(at_most))
+    above = SEG * BS - _along(at_most)
+    need = _across(k - above)
+    # a fibre selects a nonzero entry where its k-th key is one, or any entry is above it (all
+    # of those are taken): a byte a fibre, from which the host leaves out the dead rows
+    live_ptr = tl.load(row + 15).to(tl.pointer_type(tl.uint8))
+    tl.store(live_ptr + f, ((kth_f > 0) | (above > 0)).to(tl.uint8), mask=f < fibres)
     v_row, i_row = v_ptr + (a * k * R + j), i_ptr + (a * k * R + j)
     seen = tl.zeros([FB], dtype=tl.int32)  # the packed counts of the segments before
     for s in tl.static_range(SEG):  # a segment at a time: positions ascend segment by segment
@@ -259,3 +262,4 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
               FEEDBACK, ASM)
         seen += tl.sum(thread, 1)
     tl.store(flags + pid, bad.to(tl.uint8))
+

@@ -51,6 +51,7 @@ _MAX_THREADS, _MIN_WARPS = 512, 4
 # segments: a fibre longer than _WHOLE is cut into the fewest (up to _MAX_SEG) segments of a
 # power of two that pad it by at most 1/_PAD
 _WHOLE, _MAX_SEG, _PAD = 128, 16, 8
+_RUN_SEGMENT = 16
 #: the kernel's runtime arguments, as triton.compile's ASTSource takes them
 SIGNATURE = {"table": "*i64", "owners": "*i64", "owners_at": "i32", "flags": "*u8"}
 # one row of the table per tensor: pointers, sizes, strides, its first program, its live bytes
@@ -146,6 +147,8 @@ def variant(n: int, k: int, dtype: torch.dtype, feedback: bool, contiguous: bool
     # where the fibre needs them to fit _MAX_THREADS threads
     seg, bs = segments(n, min(_MAX_SEG, max(keys // vec, -(-n // (_MAX_THREADS * vec)))))
     runs = min(bs, max(vec, _pow2_below(keys // seg), bs // _MAX_THREADS))
+    if runs > _RUN_SEGMENT and bs // _MAX_THREADS <= _RUN_SEGMENT:  # the slots a few keys at a time
+        seg, bs, runs = seg * runs // _RUN_SEGMENT, bs * _RUN_SEGMENT // runs, _RUN_SEGMENT
     fb = max(1, 32 * _MIN_WARPS * runs // bs)
     return Variant(dtype, index_dtype(n).itemsize, feedback, fb, seg, bs, runs, fb * bs // runs // 32,
                    contiguous)
