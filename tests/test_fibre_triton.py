@@ -441,9 +441,26 @@ def test_a_batch_is_one_launch_and_equals_one_call_each(cpu_kernel, monkeypatch)
         for n in names:
             assert same_bits(batched.memory.residuals[n], alone.memory.residuals[n])
             batched.restore(None, n)
-    # step 0 has no residuals yet (compensated in three steps, a launch each); then one a
-    # step for each dtype
-    assert launches == [1, 1, 1, 1, 2, 1, 1, 2, 1, 1], launches
-    # a stage each for step 0's calls (each made while the others' payloads were still out),
-    # reused by the batches after: the pool does not grow step after step
-    assert len(batched.base._stages) == 4
+    # a launch a step for each dtype, step 0 too (its residuals start at zero)
+    assert launches == [2, 1, 1] * 3, launches
+    # a stage for each dtype's batch, reused step after step
+    assert len(batched.base._stages) == 3
+
+
+@interpreter_only
+@pytest.mark.parametrize("ef", ["none", "vanilla"])
+def test_a_batch_is_refused_before_anything_runs(cpu_kernel, ef):
+    # a tensor named twice (the second call would overwrite the first's staging) or one
+    # without fibres: refused at start(), every residual as it was
+    from adtopk_ps.compression import Request
+    comp = create("adtopk", ratio=0.1, ef=ef)
+    a = sample((8, 64), torch.float32, 1)
+    comp.compress(a, "a")
+    kept = {n: r.clone() for n, r in comp.memory.residuals.items()} if ef == "vanilla" else {}
+    with pytest.raises(ValueError, match=r"names \['a'\] more than once"):
+        comp.start([Request(a, "a", 1), Request(a * 2, "a", 1)])
+    with pytest.raises(ValueError, match="dim\\(\\) >= 2.*'z'"):
+        comp.start([Request(a, "a", 1), Request(torch.ones(5), "z", 1)])
+    assert kept.keys() == (comp.memory.residuals.keys() if ef == "vanilla" else set())
+    for n, r in kept.items():
+        assert same_bits(comp.memory.residuals[n], r)

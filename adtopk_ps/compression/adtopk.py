@@ -16,7 +16,7 @@ import torch
 
 from ..dtypes import index_dtype
 from . import fibre_triton
-from .base import Compressor, Request, flat_of, global_k
+from .base import Compressor, Request, distinct, flat_of, global_k
 from .payload import Payload
 from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
 from .staging import StagePool
@@ -61,10 +61,7 @@ class ADTopk(Compressor):
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
         """A ``fibre`` payload of each fibre's largest entries; tensors under two dimensions are refused."""
-        if not self.accepts(tensor):
-            raise ValueError(
-                f"adtopk needs a tensor with dim() >= 2, got {tuple(tensor.shape)} for {name!r}; "
-                "the sparsification policy sends such tensors dense")
+        self._refuse(Request(tensor, name, step, ratio))
         item = self._item(Request(tensor, name, step, ratio), None)
         if item is not None:
             return next(self._launched([Request(tensor, name, step, ratio)], {0: item}))
@@ -101,20 +98,31 @@ class ADTopk(Compressor):
     def start(self, requests: list[Request]) -> Iterator[Payload]:
         """A batch: every tensor the CUDA kernel takes is selected in one launch per kernel
         variant (started here), the others one call each as their payloads are asked for."""
-        if not _distinct(requests):  # a tensor twice: its second call reads the first's result
-            return super().start(requests)
+        self._check(requests)
         return self._launched(requests, self._items(requests, [None] * len(requests)))
 
     def start_with_feedback(self, requests: list[Request],
                             residuals: list[torch.Tensor]) -> Iterator[Payload | None]:
         """:meth:`start` with error feedback fused in (see :meth:`compress_with_feedback`)."""
-        if not _distinct(requests):
-            return super().start_with_feedback(requests, residuals)
+        self._check(requests)
         return self._launched(requests, self._items(requests, residuals), residuals)
 
     def restore(self, answer: torch.Tensor, name: str) -> None:
         """The answer of ``name`` landed: the staging its payload was sent from is free."""
         self._stages.release(name)
+
+    def _check(self, requests: list[Request]) -> None:
+        """Refuse a batch before any of it runs (the kernel updates every residual of the batch
+        at once): a tensor named twice, or one without fibres."""
+        distinct(requests)
+        for r in requests:
+            self._refuse(r)
+
+    def _refuse(self, request: Request) -> None:
+        if not self.accepts(request.tensor):
+            raise ValueError(
+                f"adtopk needs a tensor with dim() >= 2, got {tuple(request.tensor.shape)} for "
+                f"{request.name!r}; the sparsification policy sends such tensors dense")
 
     def _items(self, requests: list[Request],
                residuals: list[torch.Tensor | None]) -> dict[int, "fibre_triton.Item"]:
@@ -181,10 +189,6 @@ class ADTopk(Compressor):
         """``rows``: the rows of the view carried, where the others selected only zeros."""
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
                        positions.to(index_dtype(view[1])), view=view, rows=rows, nonfinite=nonfinite)
-
-
-def _distinct(requests: list[Request]) -> bool:
-    return len({r.name for r in requests}) == len(requests)
 
 
 class ADTopkInterleaved(ADTopk):

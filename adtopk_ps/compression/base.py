@@ -38,6 +38,16 @@ class Request:
     ratio: float | None = None
 
 
+def distinct(requests: list[Request]) -> None:
+    """Refuse a batch that names a tensor twice: two rounds of one tensor are two batches
+    (a second call would overwrite the first's staging and read its residual)."""
+    names = [r.name for r in requests]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"a batch names {twice} more than once; compress each round of a "
+                         f"tensor in a batch of its own")
+
+
 class Compressor(ABC):
     """Turns one tensor into a :class:`Payload` and back (GRACE's "compressor").
 
@@ -119,12 +129,14 @@ class Compressor(ABC):
             for payload in comp.start([Request(g1, "fc1.weight"), Request(g2, "fc2.weight")]):
                 send(payload)
         """
+        distinct(requests)
         return (self.compress(r.tensor, r.name, r.step, r.ratio) for r in requests)
 
     def start_with_feedback(self, requests: list[Request],
                             residuals: list[torch.Tensor]) -> Iterator[Payload | None]:
         """:meth:`start` with error feedback fused in, each request with its residual (see
         :meth:`compress_with_feedback`: None where there is no fused path)."""
+        distinct(requests)
         return (self.compress_with_feedback(r.tensor, residual, r.name, r.step, r.ratio)
                 for r, residual in zip(requests, residuals))
 

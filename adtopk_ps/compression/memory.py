@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .base import Compressor, Request
+from .base import Compressor, Request, distinct
 from .payload import Payload
 
 EF_KINDS = ("vanilla",)
@@ -30,22 +30,26 @@ class ResidualMemory:
             return None
         return r
 
+    def prepared(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """The residual of ``name`` ready to take ``grad``: zeros for a new name, moved or cast
+        to ``grad``'s device and dtype; one of another shape is refused."""
+        residual = self.residuals.get(name)
+        if residual is None:
+            residual = self.residuals[name] = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+        elif residual.shape != grad.shape:
+            raise ValueError(f"residual for {name!r} has shape {tuple(residual.shape)}, "
+                             f"gradient has {tuple(grad.shape)}")
+        elif residual.device != grad.device or residual.dtype != grad.dtype:
+            residual = self.residuals[name] = residual.to(grad.device, grad.dtype)
+        return residual
+
     def compensate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """``g + r``, written into the residual's own buffer.
 
         Updating in place (here and in :meth:`update`) allocates nothing per
         step: a fresh tensor of a large layer costs page faults every step.
         """
-        residual = self.residuals.get(name)
-        if residual is None:
-            residual = self.residuals[name] = grad.detach().clone()
-            return residual
-        if residual.shape != grad.shape:
-            raise ValueError(f"residual for {name!r} has shape {tuple(residual.shape)}, "
-                             f"gradient has {tuple(grad.shape)}")
-        if residual.device != grad.device or residual.dtype != grad.dtype:
-            residual = self.residuals[name] = residual.to(grad.device, grad.dtype)
-        return residual.add_(grad.detach())
+        return self.prepared(name, grad).add_(grad.detach())
 
     def update(self, name: str, compensated: torch.Tensor, payload: Payload) -> torch.Tensor:
         """``r = c - decompress(payload)``, in ``c``'s buffer unless the payload still reads it."""
@@ -114,19 +118,25 @@ class ErrorFeedback(Compressor):
         return next(self.start([Request(tensor, name, step, ratio)]))
 
     def start(self, requests: list[Request]) -> Iterator[Payload]:
-        """A batch, as :meth:`compress` does each: the wrapped compressor's fused pass starts
-        here for those with a residual that fits (one kernel launch for the batch on CUDA)."""
-        residuals = [self.memory.matching(r.name, r.tensor) for r in requests]
-        fused = [i for i, residual in enumerate(residuals) if residual is not None]
-        got = self._base.start_with_feedback([requests[i] for i in fused], [residuals[i] for i in fused])
-        return self._completed(requests, set(fused), got)
+        """A batch, as :meth:`compress` does each: every request goes to the wrapped
+        compressor's fused pass with its residual (zeros for a new tensor), which starts here
+        (one kernel launch for the batch on CUDA); a batch it refuses is refused before any
+        residual changes."""
+        distinct(requests)
+        new = [r.name for r in requests if r.name not in self.memory.residuals]
+        residuals = [self.memory.prepared(r.name, r.tensor) for r in requests]
+        try:
+            got = self._base.start_with_feedback(requests, residuals)
+        except BaseException:
+            self.memory.forget(new)  # a refused batch leaves no residual behind
+            raise
+        return self._completed(requests, got)
 
-    def _completed(self, requests: list[Request], fused: set[int],
-                   got: Iterator[Payload | None]) -> Iterator[Payload]:
+    def _completed(self, requests: list[Request], got: Iterator[Payload | None]) -> Iterator[Payload]:
         """Each request's payload, in order: the fused pass's, or where it had none,
         compensate, compress and update in three steps."""
-        for i, r in enumerate(requests):
-            payload = next(got) if i in fused else None
+        for r in requests:
+            payload = next(got)
             if payload is None:
                 compensated = self.memory.compensate(r.name, r.tensor)
                 payload = self._base.compress(compensated, r.name, r.step, r.ratio)

@@ -17,6 +17,8 @@ copy still runs.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _ALIGN = 16
@@ -122,6 +124,7 @@ class StagePool:
 
     def __init__(self, cuda: "CudaCalls | None" = None):
         self._cuda = cuda
+        self._lock = threading.Lock()  # the engine's thread and a calibration may share a pool
         self._free: dict[torch.device, list[Stage]] = {}
         self._holder: dict[str, Stage] = {}  # the stage each staged name's payload lives in
         self._claims: dict[int, set[str]] = {}  # by id(stage): the names it still holds
@@ -129,18 +132,23 @@ class StagePool:
     def take(self, device: torch.device, names: list[str]) -> Stage:
         """A stage for a batch of ``names`` on ``device``: these names' earlier payloads are
         released first (staging a name again means its previous round was answered)."""
-        for name in names:
-            self.release(name)
-        free = self._free.setdefault(device, [])
-        stage = free.pop() if free else Stage(device, self._cuda)
-        self._claims[id(stage)] = set(names)
-        for name in names:
-            self._holder[name] = stage
-        return stage
+        with self._lock:
+            for name in names:
+                self._release(name)
+            free = self._free.setdefault(device, [])
+            stage = free.pop() if free else Stage(device, self._cuda)
+            self._claims[id(stage)] = set(names)
+            for name in names:
+                self._holder[name] = stage
+            return stage
 
     def release(self, name: str) -> None:
         """``name``'s payload is no longer read (its answer landed): its stage is free once
         every name in it is."""
+        with self._lock:
+            self._release(name)
+
+    def _release(self, name: str) -> None:
         stage = self._holder.pop(name, None)
         if stage is None:
             return
