@@ -50,19 +50,29 @@ def _add(x, grad, DT: tl.constexpr):
 
 
 @triton.jit
-def _kth_key(keys, k, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
-             ASM: tl.constexpr):
+def _kth_key(keys, largest, k, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.constexpr,
+             BITS: tl.constexpr, ASM: tl.constexpr):
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
-    count(key >= T) >= k (``SEG * BS`` positions, padding's key -1 among them). A loop
-    (not unrolled): its body is what a step costs."""
+    count(key >= T) >= k (``SEG * BS`` positions, padding's key -1 among them), or a T
+    that selects the same entries. A loop (not unrolled): its body is what a step costs.
+
+    The loop ends early once every fibre of the program is settled: exactly k keys are at
+    least its bound (the lower bits cannot change which entries are taken), or the bound is
+    the fibre's ``largest`` key (no key lies above it; a fibre of zeros settles at once), or
+    the fibre holds no key (past the tensor's end). Tied fibres take every step."""
     kth = tl.zeros([FB], dtype=tl.int32)
-    for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
+    settled = largest <= 0
+    i = 0
+    while (i < BITS) & (tl.min(settled.to(tl.int32), 0) == 0):
         cand = kth | (1 << (BITS - 1 - i))
         at = _across(cand)
         below = _below(keys[0], at, ASM)
         for s in tl.static_range(1, SEG):
             below += _below(keys[s], at, ASM)
-        kth = tl.where(SEG * BS - _along(below) >= k, cand, kth)
+        at_least = SEG * BS - _along(below)
+        kth = tl.where(at_least >= k, cand, kth)
+        settled = settled | (at_least == k) | (kth == largest)
+        i += 1
     return kth
 
 
@@ -234,12 +244,12 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
             x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
             tl.store(x_ptrs, x, mask=valid)
         keys = keys + (_key(x, valid, BITS, INF_KEY),)
-    kth_f = _kth_key(keys, k, FB, SEG, BS, BITS, ASM)
-    kth = _across(kth_f)
     largest = _along_max(keys[0])
     for s in tl.static_range(1, SEG):
         largest = tl.maximum(largest, _along_max(keys[s]))
     bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
+    kth_f = _kth_key(keys, largest, k, FB, SEG, BS, BITS, ASM)
+    kth = _across(kth_f)
     # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
     at_most = _below(keys[0], kth + 1, ASM)
     for s in tl.static_range(1, SEG):
