@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from adtopk_ps.compression import fibre_triton
@@ -86,6 +87,25 @@ def test_of_several_loops_the_longest_counts_and_the_others_are_flagged():
     e = kb.estimate(instructions, loops, trips=15)
     assert (e.per_warp, e.counted, e.flagged) == (10 + 4 * 14, loops[0], (loops[1],))
     assert kb.loops_cell(e) == "15x4+1?"
+
+
+def test_a_branch_with_two_predicates_is_a_loop_too():
+    # a while loop on uniform registers ends in `@P0 BRA P1, target`
+    two = SASS.replace("@P0 BRA `(.L_x_1)", "@P0 BRA P1, `(.L_x_1)")
+    assert kb.parse_sass(two)[1] == [kb.Loop(first=0x30, last=0x60, size=4)]
+
+
+def test_the_early_exit_settles_as_the_kernel_does():
+    # exactly k keys at least the bound: settled (the lower bits take nothing else)
+    assert kb.steps_to_settle(np.array([[5, 3, 9, 1]]), k=2, bits=4) == 2
+    # a fibre of zeros, or of padding, settles before the first step
+    assert kb.steps_to_settle(np.array([[0, 0, 0, 0], [-1, -1, -1, -1]]), k=2, bits=4) == 0
+    # tied at the k-th key: every bit is taken to find it, unless it is the largest
+    assert kb.steps_to_settle(np.array([[6, 5, 5, 1]]), k=2, bits=4) == 4
+    assert kb.steps_to_settle(np.array([[5, 5, 5, 1]]), k=2, bits=4) == 4  # 5 = 0b0101: bit 0 last
+    assert kb.steps_to_settle(np.array([[4, 4, 4, 1]]), k=2, bits=4) == 2  # 4 = 0b0100: the largest
+    # a program runs until its last fibre settles
+    assert kb.steps_to_settle(np.array([[5, 3, 9, 1], [6, 5, 5, 1]]), k=2, bits=4) == 4
 
 
 def test_without_a_loop_the_static_count_is_the_estimate():
