@@ -530,23 +530,26 @@ STALLS = (1.5, 3.0)  # issue slots lost to dependencies and memory, from best to
 
 def steps_to_settle(keys: np.ndarray, k: int, bits: int) -> int:
     """The bisection's trips for one program's fibres (``keys``: a row a fibre, -1 for
-    padding), with the kernel's early exit (``_fibre_kernel._kth_key``): it stops once every
-    fibre has exactly k keys at least its bound, or its bound is its largest key.
+    padding), with the kernel's early exit for float32 keys (``bits`` 31;
+    ``_fibre_kernel._kth_key``): it stops once every fibre has exactly k keys at least its
+    bound, or its bound is its largest key.
 
     Example::
 
-        steps_to_settle(np.array([[5, 3, 9, 1]]), k=2, bits=4)   # 2: 9 and 5 are >= 4
+        keys = np.array([[5, 3, 9, 1]]) << 27
+        steps_to_settle(keys, k=2, bits=31)   # 2: 9 and 5 (shifted) are >= 4 << 27
     """
     kth = np.zeros(len(keys), dtype=np.int64)
     largest = keys.max(1)
-    settled = largest <= 0
+    settled = largest <= 0 if bits == 31 else np.zeros(len(keys), dtype=bool)  # 16-bit: no exit
     for i in range(bits):
         if settled.all():
             return i
         cand = kth | (1 << (bits - 1 - i))
         at_least = (keys >= cand[:, None]).sum(1)
         kth = np.where(at_least >= k, cand, kth)
-        settled |= (at_least == k) | (kth == largest)
+        if bits == 31:
+            settled |= (at_least == k) | (kth == largest)
     return bits
 
 

@@ -96,16 +96,19 @@ def test_a_branch_with_two_predicates_is_a_loop_too():
 
 
 def test_the_early_exit_settles_as_the_kernel_does():
+    def steps(rows, k=2):  # float32 keys whose top 4 of 31 bits are these
+        return kb.steps_to_settle(np.array(rows) << 27, k=k, bits=31)
     # exactly k keys at least the bound: settled (the lower bits take nothing else)
-    assert kb.steps_to_settle(np.array([[5, 3, 9, 1]]), k=2, bits=4) == 2
+    assert steps([[5, 3, 9, 1]]) == 2
     # a fibre of zeros, or of padding, settles before the first step
-    assert kb.steps_to_settle(np.array([[0, 0, 0, 0], [-1, -1, -1, -1]]), k=2, bits=4) == 0
+    assert kb.steps_to_settle(np.array([[0, 0, 0, 0], [-1, -1, -1, -1]]), k=2, bits=31) == 0
     # tied at the k-th key: every bit is taken to find it, unless it is the largest
-    assert kb.steps_to_settle(np.array([[6, 5, 5, 1]]), k=2, bits=4) == 4
-    assert kb.steps_to_settle(np.array([[5, 5, 5, 1]]), k=2, bits=4) == 4  # 5 = 0b0101: bit 0 last
-    assert kb.steps_to_settle(np.array([[4, 4, 4, 1]]), k=2, bits=4) == 2  # 4 = 0b0100: the largest
+    assert steps([[6, 5, 5, 1]]) == 31
+    assert steps([[4, 4, 4, 1]]) == 2  # 4 << 27 is the largest key
     # a program runs until its last fibre settles
-    assert kb.steps_to_settle(np.array([[5, 3, 9, 1], [6, 5, 5, 1]]), k=2, bits=4) == 4
+    assert steps([[5, 3, 9, 1], [6, 5, 5, 1]]) == 31
+    # 16-bit keys take every step
+    assert kb.steps_to_settle(np.array([[5, 3, 9, 1]]) << 11, k=2, bits=15) == 15
 
 
 def test_without_a_loop_the_static_count_is_the_estimate():

@@ -55,25 +55,39 @@ def _kth_key(keys, largest, k, FB: tl.constexpr, SEG: tl.constexpr, BS: tl.const
     """Each fibre's k-th largest key, bit by bit from the top: the largest T with
     count(key >= T) >= k (``SEG * BS`` positions, padding's key -1 among them), or a T
     that selects the same entries. A loop (not unrolled): its body is what a step costs.
+    ``largest``: each fibre's largest key (float32 only).
 
-    The loop ends early once every fibre of the program is settled: exactly k keys are at
-    least its bound (the lower bits cannot change which entries are taken), or the bound is
-    the fibre's ``largest`` key (no key lies above it; a fibre of zeros settles at once), or
-    the fibre holds no key (past the tensor's end). Tied fibres take every step."""
+    For float32 keys the loop ends early once every fibre of the program is settled: exactly
+    k keys are at least its bound (the lower bits cannot change which entries are taken), or
+    the bound is the fibre's ``largest`` key (no key lies above it; a fibre of zeros settles
+    at once), or the fibre holds no key (past the tensor's end). Tied fibres take every step,
+    as 16-bit keys, whose 15 steps their ties mostly take anyway, always do."""
     kth = tl.zeros([FB], dtype=tl.int32)
-    settled = largest <= 0
-    i = 0
-    while (i < BITS) & (tl.min(settled.to(tl.int32), 0) == 0):
-        cand = kth | (1 << (BITS - 1 - i))
-        at = _across(cand)
-        below = _below(keys[0], at, ASM)
-        for s in tl.static_range(1, SEG):
-            below += _below(keys[s], at, ASM)
-        at_least = SEG * BS - _along(below)
-        kth = tl.where(at_least >= k, cand, kth)
-        settled = settled | (at_least == k) | (kth == largest)
-        i += 1
+    if BITS == 31:
+        settled = largest <= 0
+        i = 0
+        while (i < BITS) & (tl.min(settled.to(tl.int32), 0) == 0):
+            at_least, cand = _step(keys, kth, i, SEG, BS, BITS, ASM)
+            kth = tl.where(at_least >= k, cand, kth)
+            settled = settled | (at_least == k) | (kth == largest)
+            i += 1
+    else:
+        for i in tl.range(0, BITS, loop_unroll_factor=1):  # one body: the budget counts it BITS times
+            at_least, cand = _step(keys, kth, i, SEG, BS, BITS, ASM)
+            kth = tl.where(at_least >= k, cand, kth)
     return kth
+
+
+@triton.jit
+def _step(keys, kth, i, SEG: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """(how many keys are at least the candidate, the candidate): ``kth`` with bit i from
+    the top set."""
+    cand = kth | (1 << (BITS - 1 - i))
+    at = _across(cand)
+    below = _below(keys[0], at, ASM)
+    for s in tl.static_range(1, SEG):
+        below += _below(keys[s], at, ASM)
+    return SEG * BS - _along(below), cand
 
 
 @triton.jit
@@ -101,6 +115,15 @@ def _along(x):
 def _along_max(x):
     """The largest of ``x`` along each fibre (see :func:`_along`)."""
     return tl.max(tl.max(tl.max(x, 3), 0), 1)
+
+
+@triton.jit
+def _largest(keys, SEG: tl.constexpr):
+    """Each fibre's largest key over its segments."""
+    largest = _along_max(keys[0])
+    for s in tl.static_range(1, SEG):
+        largest = tl.maximum(largest, _along_max(keys[s]))
+    return largest
 
 
 @triton.jit
@@ -244,11 +267,13 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
             x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
             tl.store(x_ptrs, x, mask=valid)
         keys = keys + (_key(x, valid, BITS, INF_KEY),)
-    largest = _along_max(keys[0])
-    for s in tl.static_range(1, SEG):
-        largest = tl.maximum(largest, _along_max(keys[s]))
+    if BITS == 31:  # float32's early exit reads each fibre's largest key
+        largest = _largest(keys, SEG)
+        kth_f = _kth_key(keys, largest, k, FB, SEG, BS, BITS, ASM)
+    else:  # found after the loop, so that it holds no register through it
+        kth_f = _kth_key(keys, tl.zeros([FB], dtype=tl.int32), k, FB, SEG, BS, BITS, ASM)
+        largest = _largest(keys, SEG)
     bad = tl.max(largest, 0) >= INF_KEY  # the largest key is always selected (k >= 1)
-    kth_f = _kth_key(keys, largest, k, FB, SEG, BS, BITS, ASM)
     kth = _across(kth_f)
     # the entries above the k-th key, as SEG * BS less those below kth + 1 (the loop's count)
     at_most = _below(keys[0], kth + 1, ASM)
