@@ -116,3 +116,13 @@ class FreshCalls(Calls):
 
     def event(self):
         return Event(self.log, f"event{len(self.log)}")
+
+
+def test_a_pool_pickles_empty():
+    # a compressor saved with byteps' DDP hook state carries its pool: the copy starts empty
+    import pickle
+    pool = StagePool(cuda=FreshCalls())
+    pool.take(torch.device("cuda"), ["a"])
+    copy = pickle.loads(pickle.dumps(pool))
+    assert len(copy) == 0 and len(pool) == 1
+    assert copy.take(torch.device("cpu"), ["a"]).device == torch.device("cpu")

@@ -254,7 +254,7 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
             g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
             tl.store(x_ptrs, _add(tl.load(x_ptrs, mask=valid, other=0.0),
                                   tl.load(g_ptrs, mask=valid, other=0.0), DT), mask=valid)
-        tl.debug_barrier()
+        tl.debug_barrier()  # the reads below take these sums back
     keys = ()
     for s in tl.static_range(SEG):
         pos = _positions(s, BS, RUNS, VEC)

@@ -158,6 +158,14 @@ class StagePool:
             del self._claims[id(stage)]
             self._free.setdefault(stage.device, []).append(stage)
 
+    def __getstate__(self) -> dict:
+        """Nothing: buffers, streams and the lock belong to this process, and a compressor
+        saved with its state (byteps' DDP hook) starts a copy with an empty pool."""
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def __len__(self) -> int:
         """Stages made so far, free or held."""
         return len(self._claims) + sum(map(len, self._free.values()))
