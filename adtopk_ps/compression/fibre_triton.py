@@ -396,19 +396,22 @@ def _row(x3: torch.Tensor, g3: torch.Tensor, k: int, base: int, layout: tuple, f
 
 class _Typed:
     """The device buffer and its host mirror seen as each dtype once, so that an item's
-    regions are a slice and a view each (every region starts aligned for any dtype)."""
+    region is one strided view of it (every region starts aligned for any dtype)."""
 
     def __init__(self, buffer: torch.Tensor, host: torch.Tensor):
         self._raw, self._views = (buffer, host), {}
 
-    def regions(self, at: int, count: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device, host) views of ``count`` entries of ``dtype`` from byte ``at``, as ``shape``."""
+    def regions(self, at: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) views of ``shape`` (contiguous) entries of ``dtype`` from byte ``at``."""
         views = self._views.get(dtype)
         if views is None:
             views = self._views[dtype] = tuple(t[:t.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
                                                for t in self._raw)
-        first = at // dtype.itemsize
-        return tuple(v[first:first + count].view(shape) for v in views)
+        strides, step = [], 1
+        for size in reversed(shape):
+            strides.append(step)
+            step *= size
+        return tuple(v.as_strided(shape, strides[::-1], at // dtype.itemsize) for v in views)
 
 
 def _result(item: Item, layout: tuple, typed: _Typed, host_np: np.ndarray, nonfinite: bool) -> Selected:
@@ -416,8 +419,8 @@ def _result(item: Item, layout: tuple, typed: _Typed, host_np: np.ndarray, nonfi
     fibre, read on the host: a row is live where one of its fibres is)."""
     values_at, indices_at, live_at, count, idt = layout
     shape = (item.x.shape[0], item.k, *item.x.shape[2:])
-    values, host_values = typed.regions(values_at, count, item.x.dtype, shape)
-    indices, host_indices = typed.regions(indices_at, count, idt, shape)
+    values, host_values = typed.regions(values_at, item.x.dtype, shape)
+    indices, host_indices = typed.regions(indices_at, idt, shape)
     live = host_np[live_at:live_at + count // item.k].reshape(shape[0], -1).any(1)
     if not live.all():
         rows = torch.from_numpy(np.flatnonzero(live))
