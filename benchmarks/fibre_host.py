@@ -5,10 +5,10 @@ kernel launches: it checks and views each tensor, lays out the buffer, builds
 and uploads the table, and after the copy reads each tensor's flags and live
 rows from the host bytes and makes its views. The goal is at most about 20 us
 a tensor. This script times that work on the CPU for the gradient sets of
-benchmarks/compression.py, with the kernel launch replaced by nothing and the
-copy to host left out (on a GPU both are queued, not done, by the host), so it
-measures the Python and torch work alone; ``benchmarks/gpu_kernel.py`` measures
-the whole host time on a GPU.
+benchmarks/compression.py, with the kernel launches, the spreading of programs
+to tensors and the copy to host left out (on a GPU they are queued, not done,
+by the host), so it measures the Python and torch work alone;
+``benchmarks/gpu_kernel.py`` measures the whole host time on a GPU.
 
     python benchmarks/fibre_host.py                     # ResNet-50, VGG-16, BERT-base
     python benchmarks/fibre_host.py --sets resnet50 --repeats 50
@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     fibre_triton.CPU_TENSORS = True
     _, tl = fibre_triton._triton()
     fibre_triton._triton = lambda: (_NoLaunch(), tl)
+    # on a GPU each program's tensor is spread out by a kernel the host only queues; on the
+    # CPU it would be work proportional to the programs, which is not the host's share
+    torch.repeat_interleave = lambda values, repeats, output_size: torch.empty(output_size, dtype=torch.int64)
     print(f"host work of one batch, error feedback, density 0.01 ({args.repeats} repeats; "
           f"kernel and copy left out)")
     for name in args.sets:
