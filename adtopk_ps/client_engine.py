@@ -30,7 +30,7 @@ import zmq
 
 from . import wire
 from .cluster import ClusterConfig, KeyLayout, part_name, server_of, split
-from .compression import Compressor, Request
+from .compression import Compressor, Request, start_each
 from .env import env_int
 from .liveness import PeerWatch
 from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
@@ -316,23 +316,19 @@ class Engine:
     def _send_jobs(self, jobs: list[Job], servers: list[zmq.Socket]) -> None:
         """Compress and send every key of ``jobs`` (in their order): each compressor gets its
         keys in one :meth:`~Compressor.start`, and each key goes out as its payload comes."""
-        parts = [(job, index, part, out, key) for job in jobs
+        parts = [(job, part_name(job.handle.name, index), part, out, key) for job in jobs
                  for index, (part, out, key) in enumerate(zip(split(job.tensor, job.layout.blocks),
                                                               split(job.handle.out, job.layout.blocks),
                                                               job.layout.keys))]
-        batches: dict[int, list[Request]] = {}
-        for job, index, part, _, _ in parts:
-            batches.setdefault(id(job.compressor), []).append(
-                Request(part, part_name(job.handle.name, index), job.step, job.ratio))
         started = time.perf_counter()
-        payloads = {which: compressor.start(batches[which]) for which, compressor in
-                    {id(job.compressor): job.compressor for job in jobs}.items()}
+        payloads = start_each([(job.compressor, Request(part, pname, job.step, job.ratio))
+                               for job, pname, part, _, _ in parts])
         self.compress_seconds += time.perf_counter() - started
-        for count, (job, index, part, out, key) in enumerate(parts):
+        for count, (job, pname, _, out, key) in enumerate(parts):
             if count % KEEP_ALIVE_KEYS == KEEP_ALIVE_KEYS - 1:
                 self._keep_alive()  # heartbeats go on while a long batch is sent
             started = time.perf_counter()
-            payload = next(payloads[id(job.compressor)])
+            payload = next(payloads)
             self.compress_seconds += time.perf_counter() - started
             rnd = self.rounds.get(key, 0)
             self.rounds[key] = rnd + 1
@@ -340,7 +336,6 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flag)
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
-            pname = part_name(job.handle.name, index)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname))
             send(servers[server_of(key, len(servers))], frames)

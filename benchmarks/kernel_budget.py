@@ -539,17 +539,18 @@ def steps_to_settle(keys: np.ndarray, k: int, bits: int) -> int:
         keys = np.array([[5, 3, 9, 1]]) << 27
         steps_to_settle(keys, k=2, bits=31)   # 2: 9 and 5 (shifted) are >= 4 << 27
     """
+    if bits != 31:  # 16-bit keys take every step
+        return bits
     kth = np.zeros(len(keys), dtype=np.int64)
     largest = keys.max(1)
-    settled = largest <= 0 if bits == 31 else np.zeros(len(keys), dtype=bool)  # 16-bit: no exit
+    settled = largest <= 0
     for i in range(bits):
         if settled.all():
             return i
         cand = kth | (1 << (bits - 1 - i))
         at_least = (keys >= cand[:, None]).sum(1)
         kth = np.where(at_least >= k, cand, kth)
-        if bits == 31:
-            settled |= (at_least == k) | (kth == largest)
+        settled |= (at_least == k) | (kth == largest)
     return bits
 
 
@@ -582,12 +583,12 @@ def predict(rows: list[Row]) -> list[str]:
         for use in row.uses:
             if use.where not in BENCHMARK_SETS:
                 continue
-            programs = -(-use.fibres // row.fb) * row.warps * TARGET[2]
+            threads = -(-use.fibres // row.fb) * row.warps * TARGET[2]
             body = e.counted.size if e.counted is not None else 0
             sampled = e.per_warp - body * (e.trips - sampled_trips(row, use))
             t = totals.setdefault((use.where, row.dtype, row.feedback), [0.0, 0.0, 0.0])
-            t[0] += e.per_warp * programs
-            t[1] += sampled * programs
+            t[0] += e.per_warp * threads
+            t[1] += sampled * threads
             t[2] += use.n * use.fibres * DTYPES[row.dtype].itemsize * (3 if row.feedback else 1)
     rate = SMS * ISSUE_PER_SM * CLOCK_HZ * TARGET[2]  # thread-instructions a second
     lines = []

@@ -18,7 +18,7 @@ The partial-sparsification policy (``policy.py``: whether to sparsify a
 tensor at all) and its cost model (``cost.py``) compose with all three.
 """
 from .adtopk import ADTopk, ADTopkInterleaved, fibre_k
-from .base import Compressor, Request
+from .base import Compressor, Request, start_each
 from .cost import CostModel, compression_speed
 from .dense import Dense
 from .dgc import DGC
@@ -34,5 +34,5 @@ from .topk import TopK
 __all__ = [
     "ADTopk", "ADTopkInterleaved", "COMPRESSORS", "Compressor", "CostModel", "compression_speed", "DGC", "Dense", "ErrorFeedback",
     "GaussianK", "Payload", "PayloadError", "RandomK", "Request", "ResidualMemory", "Route",
-    "SparsificationPolicy", "Threshold", "TopK", "create", "fibre_k", "parameters",
+    "SparsificationPolicy", "Threshold", "TopK", "create", "fibre_k", "parameters", "start_each",
 ]

@@ -245,13 +245,15 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
     live = _across(f < fibres)
     # each fibre's pointer in 64 bits, a position's offset from it in 32 (the host checks it fits)
     x_row = x_ptr + a * sxa + j * sxr
-    if FEEDBACK and not KEEP:  # the sums first, read back below: their keys alone are held
+    if FEEDBACK:
         sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
+        g_row = g_ptr + a * sga + j * sgr
+    if FEEDBACK and not KEEP:  # the sums first, read back below: their keys alone are held
         for s in tl.static_range(SEG):
             pos = _positions(s, BS, RUNS, VEC)
             valid = live & (pos < n)
             x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
-            g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
+            g_ptrs = _fibre_ptrs(g_row, pos, sgn, VEC)
             tl.store(x_ptrs, _add(tl.load(x_ptrs, mask=valid, other=0.0),
                                   tl.load(g_ptrs, mask=valid, other=0.0), DT), mask=valid)
         tl.debug_barrier()  # the reads below take these sums back
@@ -262,8 +264,7 @@ def kernel(table, owners, owners_at, flags, DT: tl.constexpr, IDT: tl.constexpr,
         x_ptrs = _fibre_ptrs(x_row, pos, sxn, VEC)
         x = tl.load(x_ptrs, mask=valid, other=0.0)
         if FEEDBACK and KEEP:
-            sga, sgn, sgr = tl.load(row + 11), tl.load(row + 12), tl.load(row + 13)
-            g_ptrs = _fibre_ptrs(g_ptr + a * sga + j * sgr, pos, sgn, VEC)
+            g_ptrs = _fibre_ptrs(g_row, pos, sgn, VEC)
             x = _add(x, tl.load(g_ptrs, mask=valid, other=0.0), DT)
             tl.store(x_ptrs, x, mask=valid)
         keys = keys + (_key(x, valid, BITS, INF_KEY),)

@@ -61,10 +61,11 @@ class ADTopk(Compressor):
     def compress(self, tensor: torch.Tensor, name: str, step: int = 0,
                  ratio: float | None = None) -> Payload:
         """A ``fibre`` payload of each fibre's largest entries; tensors under two dimensions are refused."""
-        self._refuse(Request(tensor, name, step, ratio))
-        item = self._item(Request(tensor, name, step, ratio), None)
+        request = Request(tensor, name, step, ratio)
+        self._refuse(request)
+        item = self._item(request, None)
         if item is not None:
-            return next(self._launched([Request(tensor, name, step, ratio)], {0: item}))
+            return next(self._launched([request], {0: item}))
         view, k = self._fibres(tensor, ratio)
         x = tensor.detach().reshape(view)
         positions = fibre_topk(x, k)
@@ -85,9 +86,10 @@ class ADTopk(Compressor):
         """
         if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
-        item = self._item(Request(tensor, name, step, ratio), residual)
+        request = Request(tensor, name, step, ratio)
+        item = self._item(request, residual)
         if item is not None:
-            return next(self._launched([Request(tensor, name, step, ratio)], {0: item}))
+            return next(self._launched([request], {0: item}))
         view, k = self._fibres(tensor, ratio)
         found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k, live_only=True)
         if found is None:

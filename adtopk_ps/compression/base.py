@@ -48,6 +48,23 @@ def distinct(requests: list[Request]) -> None:
                          f"tensor in a batch of its own")
 
 
+def start_each(calls: list[tuple["Compressor", Request]]) -> Iterator[Payload]:
+    """The payloads of ``calls`` in their order, each compressor handed all of its requests
+    in one :meth:`Compressor.start` (started here, before this returns).
+
+    Example::
+
+        payloads = start_each([(sparse, Request(g1, "fc.weight")), (dense, Request(b1, "fc.bias"))])
+        for payload in payloads:
+            send(payload)
+    """
+    batches: dict[int, tuple[Compressor, list[Request]]] = {}
+    for compressor, request in calls:
+        batches.setdefault(id(compressor), (compressor, []))[1].append(request)
+    started = {which: compressor.start(requests) for which, (compressor, requests) in batches.items()}
+    return (next(started[id(compressor)]) for compressor, _ in calls)
+
+
 class Compressor(ABC):
     """Turns one tensor into a :class:`Payload` and back (GRACE's "compressor").
 

@@ -286,11 +286,8 @@ def launch(items: list[Item], stage: Stage) -> Launched:
     views = [_views(item, items[0].x) for item in items]
     variants = _variants(items, views)
     layout, flags_at = _lay_out(items)
-    launches, order, spans = _plan_launches(variants, views)
-    starts = [0] * len(items)
-    programs = 0
-    for i in order:
-        starts[i], programs = programs, programs + spans[i]
+    launches, order, starts, spans = _plan_launches(variants, views)
+    programs = sum(spans)
     buffer = stage.device_buffer(aligned(flags_at + programs))
     base = buffer.data_ptr()
     rows = (_row(x3, g3, item.k, base, layout[i], starts[i] - launches[v][1])
@@ -363,10 +360,10 @@ def _variants(items: list[Item], views: list[tuple[torch.Tensor, torch.Tensor]])
 
 
 def _plan_launches(variants: list[Variant], views: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[dict[Variant, tuple[int, int]], list[int], list[int]]:
+                   ) -> tuple[dict[Variant, tuple[int, int]], list[int], list[int], list[int]]:
     """One launch per variant: {variant: (its programs, its first program)}; the items in
-    program order; each item's number of programs. Programs are numbered across launches, so
-    that an item owns one run of flags. A variant's tile is the same for every tensor (a
+    program order; each item's first program and number of programs. Programs are numbered
+    across launches, so that an item owns one run of flags. A variant's tile is the same for every tensor (a
     small tensor's last program is mostly padding), so what runs is what
     benchmarks/kernel_budget.py compiles."""
     groups: dict[Variant, list[int]] = {}
@@ -374,12 +371,13 @@ def _plan_launches(variants: list[Variant], views: list[tuple[torch.Tensor, torc
     for i, (v, (x3, _)) in enumerate(zip(variants, views)):
         groups.setdefault(v, []).append(i)
         spans.append(-(-(x3.shape[0] * x3.shape[2]) // v.fb))
-    launches, order, programs = {}, [], 0
+    launches, order, starts, programs = {}, [], [0] * len(spans), 0
     for v, members in groups.items():
-        count = sum(spans[i] for i in members)
-        launches[v], programs = (count, programs), programs + count
+        launches[v] = (sum(spans[i] for i in members), programs)
+        for i in members:
+            starts[i], programs = programs, programs + spans[i]
         order += members
-    return launches, order, spans
+    return launches, order, starts, spans
 
 
 def _in_fours(view: torch.Tensor) -> bool:

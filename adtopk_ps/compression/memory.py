@@ -23,13 +23,6 @@ class ResidualMemory:
     def __init__(self) -> None:
         self.residuals: dict[str, torch.Tensor] = {}
 
-    def matching(self, name: str, grad: torch.Tensor) -> torch.Tensor | None:
-        """The residual of ``name`` if it can take ``grad`` as it is (shape, dtype, device)."""
-        r = self.residuals.get(name)
-        if r is None or (r.shape, r.dtype, r.device) != (grad.shape, grad.dtype, grad.device):
-            return None
-        return r
-
     def prepared(self, name: str, grad: torch.Tensor) -> torch.Tensor:
         """The residual of ``name`` ready to take ``grad``: zeros for a new name, moved or cast
         to ``grad``'s device and dtype; one of another shape is refused."""

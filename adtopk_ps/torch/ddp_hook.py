@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..compression import Compressor, Payload, Request
+from ..compression import Compressor, Payload, Request, start_each
 from ..wire.checks import check_positions
 from .agreement import agree, describe
 from .optimizer import GradientCompression
@@ -183,7 +183,7 @@ def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.future
     world = dist.get_world_size(group)
     buffer = bucket.buffer()
     grads = bucket.gradients()
-    dense, sparse, batches, order = [], [], {}, []
+    dense, sparse, calls = [], [], []
     for p, g in zip(bucket.parameters(), grads):
         name = state.name_of(p)
         comp, ratio = state.compression.for_tensor(name)
@@ -193,11 +193,9 @@ def adtopk_hook(state: ADTopkHookState, bucket: dist.GradBucket) -> torch.future
         step = state.steps.get(name, 0)
         state.steps[name] = step + 1
         sparse.append(g)
-        batches.setdefault(id(comp), (comp, []))[1].append(Request(g, name, step, ratio))
-        order.append(id(comp))
+        calls.append((comp, Request(g, name, step, ratio)))
     # a bucket's tensors go to each compressor at once (one CUDA kernel launch for ADTopk)
-    started = {which: comp.start(requests) for which, (comp, requests) in batches.items()}
-    payloads = [next(started[which]) for which in order]
+    payloads = list(start_each(calls))
 
     futures = []
     flat_dense = torch.cat([g.reshape(-1) for g in dense]) if dense else None
