@@ -98,6 +98,19 @@ def test_fused_feedback_follows_the_rule(residual, data, live_only, zero_grad):
     assert torch.equal(values.view(torch.int32), sent.view(torch.int32))
 
 
+def test_a_nan_past_the_groups_ties_with_the_infinities():
+    # n = 109, k = 3: groups of 8 cover positions 0..103 and the rest are read one by one.
+    # The k-th largest group maximum is inf, so a NaN at 107 ties with the infinities and
+    # loses to the lower ones, as it does inside the groups.
+    x = torch.randn(1, 109)
+    x[0, [8, 69, 94, 99]] = INF
+    x[0, 107] = NAN
+    assert select.fibre_topk(x, 3)[0].tolist() == [8, 69, 94]
+    assert torch.equal(select.fibre_topk(x, 5), rule_positions(x, 5))
+    positions, _, _ = select.fibre_topk_feedback(x.clone(), torch.zeros_like(x), 3)
+    assert positions[0].tolist() == [8, 69, 94]
+
+
 def test_ties_go_to_the_lower_position_not_the_search_order():
     # n = 1024 and k = 16: the kernel reads strided groups (position r*64 + j in group j).
     # Fifteen entries of 10 fill 8 groups, so the 16th largest entry (5, at 66 in group 2 and

@@ -122,10 +122,10 @@ static float keep_largest(Candidates *c)
  * it is never silently dropped. */
 static inline void add(Candidates *c, float v, int64_t pos, float *threshold)
 {
+    if (v != v)  /* before the comparison: a NaN ties with an infinity at the threshold */
+        v = INFINITY;
     if (v <= *threshold)
         return;
-    if (v != v)
-        v = INFINITY;
     c->value[c->size] = v;
     c->pos[c->size++] = pos;
     if (c->size == c->cap)
@@ -275,7 +275,7 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
      * per 3k entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
     Py_ssize_t above = c->size;
     for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
-        if (fabsf(x[i]) == t)
+        if (magnitude(x[i]) == t)  /* a NaN past the groups ties with t = inf */
             c->pos[c->size++] = i;
     merge_into(c->pos, above, c->pos + above, c->size - above, out, out_stride);
 }
