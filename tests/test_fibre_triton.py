@@ -317,6 +317,43 @@ def test_dead_rows_are_left_out_as_on_the_cpu_path():
 
 
 @interpreter_only
+def test_a_batch_reads_each_items_dead_rows_and_flags_as_its_own(cpu_kernel):
+    # one reduction reads every item's live bytes, another every item's flags: dead rows and
+    # a NaN in the first and last items stay theirs, the items between keep every row
+    shapes = [(6, 40), (5, 300, 2), (4, 64, 3), (7, 33)]
+    grads = [sample(shape, torch.float32, 20 + i) for i, shape in enumerate(shapes)]
+    grads[0][[1, 4]] = 0
+    grads[3][[0, 6]] = 0
+    grads[3][2, 5] = math.nan
+    got = fibre_triton.select([fibre_triton.Item(g.clone(), None, 2) for g in grads],
+                              Stage(torch.device("cpu")))
+    assert [s.rows.tolist() if s.rows is not None else None for s in got] == \
+        [[0, 2, 3, 5], None, None, [1, 2, 3, 4, 5]]
+    assert [s.nonfinite for s in got] == [False, False, False, True]
+    for g, s in zip(grads, got):
+        assert torch.equal(s.indices.long(), carried(reference(g, 2), s.rows))
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), min_size=2, max_size=5), data=st.data())
+def test_trailing_axes_merge_as_view_merges_them(shape, data):
+    # the kernel's strides come from sizes and strides alone; a view is the judge
+    order = data.draw(st.permutations(range(len(shape))))
+    x = torch.empty([shape[i] for i in order]).permute([order.index(i) for i in range(len(shape))])
+    if data.draw(st.booleans()):
+        x = x[:, :, ::2] if x.dim() > 2 else x[:, ::2]
+    try:
+        view = x.view(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
+    except RuntimeError:
+        view = None
+    merged = fibre_triton._merged(x.shape, x.stride())
+    assert (merged is None) == (view is None)
+    if view is not None:  # an axis of size 1 is read at 0 alone: any stride will do
+        assert all(size == 1 or mine == theirs
+                   for size, mine, theirs in zip(view.shape, merged, view.stride()))
+
+
+@interpreter_only
 def test_what_the_kernel_does_not_take_goes_the_cpu_way(cpu_kernel):
     # fibres past MAX_N, trailing axes that do not merge without a copy: select.py's path,
     # with the same selection
@@ -343,6 +380,29 @@ def test_bad_input_is_refused_by_name():
     with pytest.raises(ValueError, match="float64"):
         fibre_triton.select([fibre_triton.Item(torch.zeros(2, 4, dtype=torch.float64), None, 1)],
                             stage)
+    # an item checked on its own is still held to the batch's dtype and device
+    fibre_triton.CPU_TENSORS = True
+    try:
+        half = fibre_triton.item(torch.zeros(2, 4, dtype=torch.float16), None, 1)
+        single = fibre_triton.item(torch.zeros(2, 4), None, 1)
+        assert half is not None and single is not None
+        with pytest.raises(ValueError, match="every tensor must be torch.float32"):
+            fibre_triton.launch([single, half], stage)
+    finally:
+        fibre_triton.CPU_TENSORS = False
+
+
+@interpreter_only
+def test_item_is_none_where_the_kernel_does_not_take_it(cpu_kernel):
+    x = torch.zeros(6, 40, 4, 3)
+    assert fibre_triton.item(x, None, 3) is not None
+    assert fibre_triton.item(x, torch.zeros(6, 40, 4, 3), 3).read.variant.feedback
+    for refused in [(x.transpose(2, 3), None, 3), (x, None, 0), (x, None, 41),
+                    (x, torch.zeros(6, 40, 12), 3), (x.double(), None, 3), (torch.zeros(0, 40), None, 3),
+                    (torch.zeros(2, fibre_triton.MAX_N + 1), None, 3)]:
+        assert fibre_triton.item(*refused) is None
+    fibre_triton.CPU_TENSORS = False
+    assert fibre_triton.item(x, None, 3) is None  # a CPU tensor: select.py's path
 
 
 def test_cpu_tensors_keep_the_cpu_path(device):

@@ -137,12 +137,13 @@ class ADTopk(Compressor):
         if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
         view, k = self._fibres(tensor, request.ratio)
-        grad = tensor.detach().reshape(view)
+        grad = tensor.detach()
+        if grad.shape != view:  # (a view costs as much as the rest of the kernel's host work)
+            grad = grad.reshape(view)
         if residual is None:
-            return fibre_triton.Item(grad, None, k) if fibre_triton.applies(grad) else None
-        if residual.is_contiguous() and (residual.shape, residual.dtype, residual.device) == \
-                (tensor.shape, tensor.dtype, tensor.device) and fibre_triton.applies(residual.view(view), grad):
-            return fibre_triton.Item(residual.view(view), grad, k)
+            return fibre_triton.item(grad, None, k)
+        if residual.is_contiguous() and residual.shape == tensor.shape:  # dtype, device: item's
+            return fibre_triton.item(residual if residual.shape == view else residual.view(view), grad, k)
         return None
 
     def _launched(self, requests: list[Request], items: dict[int, "fibre_triton.Item"],

@@ -29,8 +29,9 @@ import contextlib
 import itertools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -122,11 +123,17 @@ class Variant:
 
     def constants(self) -> dict:
         """The kernel's constexprs."""
-        tl = _triton()[1]
-        return dict(DT=getattr(tl, wire_name(self.dtype)), IDT=getattr(tl, _TL_INDEX[self.index_bytes]),
-                    BITS=_BITS[self.dtype], INF_KEY=_INF_KEY[self.dtype], FB=self.fb, SEG=self.seg,
-                    BS=self.bs, RUNS=self.runs, VEC=4 if self.contiguous else 1,
-                    FEEDBACK=self.feedback, KEEP=self.keeps_sums, ASM=not interpreted(), W=_COLUMNS)
+        return dict(_constants(self, not interpreted()))
+
+
+@lru_cache(maxsize=1024)
+def _constants(v: Variant, asm: bool) -> dict:
+    """:meth:`Variant.constants`, made once a variant (a launch's host work is counted in µs)."""
+    tl = _triton()[1]
+    return dict(DT=getattr(tl, wire_name(v.dtype)), IDT=getattr(tl, _TL_INDEX[v.index_bytes]),
+                BITS=_BITS[v.dtype], INF_KEY=_INF_KEY[v.dtype], FB=v.fb, SEG=v.seg, BS=v.bs,
+                RUNS=v.runs, VEC=4 if v.contiguous else 1, FEEDBACK=v.feedback, KEEP=v.keeps_sums,
+                ASM=asm, W=_COLUMNS)
 
 
 @lru_cache(maxsize=4096)
@@ -177,21 +184,36 @@ def _pow2_below(x: int) -> int:
     return 1 << max(0, x.bit_length() - 1)
 
 
-def _three_d(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` as [A, n, R] without a copy, or None where its trailing axes do not merge."""
-    try:
-        return x.view(x.shape[0], x.shape[1], math.prod(x.shape[2:]))
-    except RuntimeError:
-        return None
+def _merged(shape: torch.Size, stride: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """The strides of a tensor seen as [A, n, R], its trailing axes merged as ``view`` merges
+    them (axes of size 1 take any stride), or None where they do not merge without a copy.
+    Computed from the sizes and strides: a view a tensor costs more than the rest of its
+    host work."""
+    inner, expect = 1, None
+    for size, step in zip(reversed(shape[2:]), reversed(stride[2:])):
+        if size == 1:
+            continue
+        if expect is None:
+            inner = step
+        elif step != expect:
+            return None
+        expect = step * size
+    return stride[0], stride[1], inner
 
 
 def applies(x: torch.Tensor, grad: torch.Tensor | None = None) -> bool:
     """Whether the kernel can select from ``x`` (with error feedback: ``x`` the residual,
     ``grad`` added into it): a CUDA tensor the kernel takes (:func:`refusal`), with triton
     importable."""
-    if x.device.type != "cuda" and not (CPU_TENSORS and x.device.type == "cpu" and interpreted()):
-        return False
-    return x.numel() > 0 and refusal(x, grad) is None and _triton() is not None  # empty: select.py's arange
+    return _kernel_device(x) and refusal(x, grad) is None
+
+
+def _kernel_device(x: torch.Tensor) -> bool:
+    """Whether ``x`` lies where the kernel runs, with triton importable (an empty tensor is
+    left to select.py, which has nothing to search)."""
+    kind = x.device.type
+    return (kind == "cuda" or (CPU_TENSORS and kind == "cpu" and interpreted())) \
+        and x.numel() > 0 and _triton() is not None
 
 
 def refusal(x: torch.Tensor, grad: torch.Tensor | None = None) -> str | None:
@@ -201,27 +223,60 @@ def refusal(x: torch.Tensor, grad: torch.Tensor | None = None) -> str | None:
     return _refusal(x, grad)[0]
 
 
-def _refusal(x: torch.Tensor, grad: torch.Tensor | None) -> tuple[str | None, tuple]:
-    """(:func:`refusal`'s answer, the views [A, n, R] of x and grad it made on the way)."""
+def _refusal(x: torch.Tensor, grad: torch.Tensor | None
+             ) -> tuple[str | None, tuple[tuple[int, int, int], tuple[int, int, int]] | None]:
+    """(:func:`refusal`'s answer, the strides of x and grad as [A, n, R] it found on the way)."""
     if x.dtype not in DTYPES or x.dim() < 2:
-        return f"every tensor must be one of {[str(d) for d in DTYPES]} with dim() >= 2", ()
-    if x.shape[1] > MAX_N:
-        return f"fibres of {x.shape[1]} entries are longer than {MAX_N}", ()
-    views = tuple(_three_d(t) for t in ((x,) if grad is None else (x, grad)))
-    for view in views:
-        if view is None:
-            return "its trailing axes cannot be viewed as one without a copy", ()
-        if (view.shape[1] - 1) * abs(view.stride(1)) >= 2**31:
-            return "a fibre's offsets pass 32 bits", ()
-    return None, views
+        return f"every tensor must be one of {[str(d) for d in DTYPES]} with dim() >= 2", None
+    n = x.shape[1]
+    if n > MAX_N:
+        return f"fibres of {n} entries are longer than {MAX_N}", None
+    xs = _merged(x.shape, x.stride())
+    gs = xs if grad is None else _merged(grad.shape, grad.stride())
+    for strides in (xs, gs):
+        if strides is None:
+            return "its trailing axes cannot be viewed as one without a copy", None
+        if (n - 1) * abs(strides[1]) >= 2**31:
+            return "a fibre's offsets pass 32 bits", None
+    return None, (xs, gs)
+
+
+class _Fibres(NamedTuple):
+    """One item as the kernel reads it: [lead, n, rest] fibres at these pointers and strides."""
+    variant: Variant
+    lead: int
+    n: int
+    rest: int
+    x_ptr: int
+    g_ptr: int  # x's where there is no grad
+    x_strides: tuple[int, int, int]
+    g_strides: tuple[int, int, int]
 
 
 @dataclass
 class Item:
-    """One tensor to select from: ``x`` viewed as [A, n, R] fibres along axis 1."""
+    """One tensor to select from: ``x`` viewed as [A, n, R] fibres along axis 1.
+
+    Example::
+
+        it = item(grad.view(64, -1), None, k=10)   # None where the kernel does not take it
+        [selected] = select([it], stage)
+    """
     x: torch.Tensor  # what is selected from; with grad, the residual, updated in place
     grad: torch.Tensor | None
     k: int
+    # how the kernel reads x and grad, where :func:`item` has found it already
+    read: _Fibres | None = field(default=None, repr=False, compare=False)
+
+
+def item(x: torch.Tensor, grad: torch.Tensor | None, k: int) -> Item | None:
+    """The item selecting ``k`` of each fibre of ``x`` (``grad``: error feedback), or None
+    where the kernel does not take it (:func:`applies`, or ``k`` outside [1, n]); the checks
+    are made once, for :func:`launch` too."""
+    if not _kernel_device(x):
+        return None
+    why, read = _reading(x, grad, k)
+    return None if why else Item(x, grad, k, read)
 
 
 @dataclass
@@ -259,21 +314,29 @@ class Launched:
         selected = batch.results()     # waits for the copy
     """
 
-    def __init__(self, items: list[Item], stage: Stage, layout: list, flags_at: int,
-                 starts: list[int], spans: list[int], host: torch.Tensor, buffer: torch.Tensor):
-        self.items, self.stage, self._layout, self._flags_at = items, stage, layout, flags_at
-        self._starts, self._spans, self._host, self._buffer = starts, spans, host, buffer
+    def __init__(self, items: list[Item], stage: Stage, layout: list, bytes_at: tuple[int, int, int],
+                 order: list[int], starts: list[int], host: torch.Tensor, buffer: torch.Tensor):
+        self.items, self.stage, self._layout, self._bytes_at = items, stage, layout, bytes_at
+        self._order, self._starts, self._host, self._buffer = order, starts, host, buffer
 
     def results(self) -> list[Selected]:
         """Each item's selection, once the host bytes have landed."""
         self.stage.wait()
         if not self.items:
             return []
-        host = self._host.numpy()  # small reads on the host: numpy's, which cost less than torch's
-        flags = np.concatenate([[0], np.cumsum(host[self._flags_at:self._flags_at + sum(self._spans)])])
+        # small reads on the host: numpy's, which cost less than torch's, one reduction each
+        # over the whole batch: a program's flag byte is nonzero where it selected a NaN or an
+        # infinity, a fibre's live byte zero where it selected only zeros
+        host = self._host.numpy()
+        live_from, flags_at, programs = self._bytes_at
+        nonfinite = np.empty(len(self.items), dtype=bool)
+        nonfinite[self._order] = np.maximum.reduceat(
+            host[flags_at:flags_at + programs], [self._starts[i] for i in self._order]) > 0
+        last = self._layout[-1]  # the live bytes end with the last item's (padding follows)
+        all_live = np.minimum.reduceat(host[live_from:last[2] + last[3] // last[5]],
+                                       [entry[2] - live_from for entry in self._layout]) > 0
         typed = _Typed(self._buffer, self._host)
-        return [_result(item, self._layout[i], typed, host,
-                        bool(flags[self._starts[i] + self._spans[i]] > flags[self._starts[i]]))
+        return [_result(item, self._layout[i], typed, host, bool(nonfinite[i]), bool(all_live[i]))
                 for i, item in enumerate(self.items)]
 
 
@@ -281,17 +344,17 @@ def launch(items: list[Item], stage: Stage) -> Launched:
     """Queue every item's selection (one launch per variant) and the copy of the results to
     ``stage``'s host buffer, without waiting (see :class:`Launched`)."""
     if not items:
-        return Launched([], stage, [], 0, [], [], stage.device_buffer(0), stage.device_buffer(0))
+        return Launched([], stage, [], (0, 0, 0), [], [], stage.device_buffer(0), stage.device_buffer(0))
     kernel, _ = _triton()
-    views = [_views(item, items[0].x) for item in items]
-    variants = _variants(items, views)
-    layout, flags_at = _lay_out(items)
-    launches, order, starts, spans = _plan_launches(variants, views)
+    first = items[0].x
+    fibres = [_read(it, first.dtype, first.device) for it in items]
+    layout, live_from, flags_at = _lay_out(items, fibres)
+    launches, order, starts, spans = _plan_launches(fibres)
     programs = sum(spans)
     buffer = stage.device_buffer(aligned(flags_at + programs))
     base = buffer.data_ptr()
-    rows = (_row(x3, g3, item.k, base, layout[i], starts[i] - launches[v][1])
-            for i, (item, (x3, g3), v) in enumerate(zip(items, views, variants)))
+    rows = (_row(f, item.k, base, layout[i], starts[i] - launches[f.variant][1])
+            for i, (item, f) in enumerate(zip(items, fibres)))
     # the table holds the rows, then the items in program order and their programs; each
     # program's item is spread out on the device (one small upload, whatever the programs);
     # numpy builds it from the ints several times faster than torch.tensor
@@ -300,13 +363,13 @@ def launch(items: list[Item], stage: Stage) -> Launched:
         itertools.chain(itertools.chain.from_iterable(rows), order, (spans[i] for i in order)),
         dtype=np.int64, count=at + 2 * m)))
     owners = torch.repeat_interleave(table[at:at + m], table[at + m:], output_size=programs)
-    with on_device(items[0].x.device):
-        for v, (count, first) in launches.items():
-            kernel[(count,)](table, owners, first, buffer[flags_at + first:],
+    with on_device(first.device):
+        for v, (count, first_program) in launches.items():
+            kernel[(count,)](table, owners, first_program, buffer[flags_at + first_program:],
                              **v.constants(), num_warps=v.warps,
                              enable_fp_fusion=True)  # Triton's default, stated: left unstated, Triton 3.9 warns
     host = stage.to_host(aligned(flags_at + programs))
-    return Launched(items, stage, layout, flags_at, starts, spans, host, buffer)
+    return Launched(items, stage, layout, (live_from, flags_at, programs), order, starts, host, buffer)
 
 
 def on_device(device: torch.device):
@@ -321,56 +384,67 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _views(item: Item, first: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The item's x and grad as [A, n, R] (grad: x's view where there is none); an item the
-    kernel cannot take, or unlike the batch's ``first``, is refused by name."""
-    x, grad = item.x, item.grad
-    if grad is not None and (grad.shape, grad.dtype, grad.device) != (x.shape, x.dtype, x.device):
-        raise ValueError(f"fibre kernel: grad {tuple(grad.shape)} {grad.dtype} does "
-                         f"not match {tuple(x.shape)} {x.dtype}")
-    why, views = _refusal(x, grad)
-    if x.dtype != first.dtype or x.device != first.device or why:
-        raise ValueError(f"fibre kernel: {why or f'every tensor must be {first.dtype} on {first.device}'}; "
+def _reading(x: torch.Tensor, grad: torch.Tensor | None, k: int) -> tuple[str | None, _Fibres | None]:
+    """(why the kernel cannot take ``x`` and ``grad`` with ``k``, or None; how it reads them)."""
+    if grad is not None and (grad.shape != x.shape or grad.dtype != x.dtype or grad.device != x.device):
+        return f"grad {tuple(grad.shape)} {grad.dtype} does not match {tuple(x.shape)} {x.dtype}", None
+    why, strides = _refusal(x, grad)
+    if why:
+        return why, None
+    shape = x.shape
+    lead, n, rest = shape[0], shape[1], math.prod(shape[2:])
+    if not 1 <= k <= n:
+        return f"k={k} outside [1, {n}] for {tuple(shape)}", None
+    xs, gs = strides
+    x_ptr = x.data_ptr()
+    g_ptr = x_ptr if grad is None else grad.data_ptr()
+    contiguous = _in_fours(x_ptr, n, rest, xs) and (grad is None or _in_fours(g_ptr, n, rest, gs))
+    return None, _Fibres(variant(n, k, x.dtype, grad is not None, contiguous), lead, n, rest, x_ptr, g_ptr, xs, gs)
+
+
+def _read(it: Item, dtype: torch.dtype, device: torch.device) -> _Fibres:
+    """How the kernel reads the item; an item it cannot take, or unlike the batch's ``dtype``
+    and ``device``, is refused by name."""
+    x = it.x
+    read = it.read
+    if read is None:
+        why, read = _reading(x, it.grad, it.k)
+        if why:
+            raise ValueError(f"fibre kernel: {why}; got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.dtype != dtype or x.device != device:
+        raise ValueError(f"fibre kernel: every tensor must be {dtype} on {device}; "
                          f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-    if not 1 <= item.k <= x.shape[1]:
-        raise ValueError(f"fibre kernel: k={item.k} outside [1, {x.shape[1]}] for {tuple(x.shape)}")
-    return views[0], views[-1]
+    return read
 
 
-def _lay_out(items: list[Item]) -> tuple[list[tuple[int, int, int, int, torch.dtype]], int]:
+def _lay_out(items: list[Item], fibres: list[_Fibres]) -> tuple[list[tuple], int, int]:
     """Where each item's values, indices and live bytes (one a fibre) go in the stage's buffer
-    (values at, indices at, live at, count, index dtype), and the bytes they take."""
+    (values at, indices at, live at, count, index dtype, k), where the live bytes begin (every
+    item's side by side, so that one reduction reads them all) and the bytes all take."""
     layout, at = [], 0
-    for item in items:
-        x = item.x
-        fibres = x.shape[0] * math.prod(x.shape[2:])
-        count = fibres * item.k
-        idt = index_dtype(x.shape[1])
-        values_at, at = at, aligned(at + count * x.element_size())
+    for item, f in zip(items, fibres):
+        count = f.lead * f.rest * item.k
+        idt = index_dtype(f.n)
+        values_at, at = at, aligned(at + count * item.x.element_size())
         indices_at, at = at, aligned(at + count * idt.itemsize)
-        live_at, at = at, aligned(at + fibres)
-        layout.append((values_at, indices_at, live_at, count, idt))
-    return layout, at
+        layout.append([values_at, indices_at, 0, count, idt, item.k])
+    live_from = at
+    for entry, f in zip(layout, fibres):
+        entry[2], at = at, at + f.lead * f.rest
+    return [tuple(entry) for entry in layout], live_from, aligned(at)
 
 
-def _variants(items: list[Item], views: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Variant]:
-    return [variant(x3.shape[1], item.k, x3.dtype, item.grad is not None,
-                    _in_fours(x3) and (item.grad is None or _in_fours(g3)))
-            for item, (x3, g3) in zip(items, views)]
-
-
-def _plan_launches(variants: list[Variant], views: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[dict[Variant, tuple[int, int]], list[int], list[int], list[int]]:
+def _plan_launches(fibres: list[_Fibres]) -> tuple[dict[Variant, tuple[int, int]], list[int], list[int], list[int]]:
     """One launch per variant: {variant: (its programs, its first program)}; the items in
     program order; each item's first program and number of programs. Programs are numbered
-    across launches, so that an item owns one run of flags. A variant's tile is the same for every tensor (a
-    small tensor's last program is mostly padding), so what runs is what
+    across launches, so that an item owns one run of flags. A variant's tile is the same for
+    every tensor (a small tensor's last program is mostly padding), so what runs is what
     benchmarks/kernel_budget.py compiles."""
     groups: dict[Variant, list[int]] = {}
     spans = []
-    for i, (v, (x3, _)) in enumerate(zip(variants, views)):
-        groups.setdefault(v, []).append(i)
-        spans.append(-(-(x3.shape[0] * x3.shape[2]) // v.fb))
+    for i, f in enumerate(fibres):
+        groups.setdefault(f.variant, []).append(i)
+        spans.append(-(-(f.lead * f.rest) // f.variant.fb))
     launches, order, starts, programs = {}, [], [0] * len(spans), 0
     for v, members in groups.items():
         launches[v] = (sum(spans[i] for i in members), programs)
@@ -380,19 +454,19 @@ def _plan_launches(variants: list[Variant], views: list[tuple[torch.Tensor, torc
     return launches, order, starts, spans
 
 
-def _in_fours(view: torch.Tensor) -> bool:
-    """Whether every fibre of ``view`` [A, n, R] is adjacent in memory and can be read four
-    entries at a time: 16-byte aligned, of a length and row strides in multiples of 4."""
-    return (view.stride(1) == 1 and view.shape[1] % 4 == 0 and view.data_ptr() % 16 == 0
-            and view.stride(0) % 4 == 0 and (view.shape[2] == 1 or view.stride(2) % 4 == 0))
+def _in_fours(ptr: int, n: int, rest: int, strides: tuple[int, int, int]) -> bool:
+    """Whether every fibre [A, n, R] at ``ptr`` with ``strides`` is adjacent in memory and can
+    be read four entries at a time: 16-byte aligned, of a length and row strides in multiples
+    of 4."""
+    return (strides[1] == 1 and n % 4 == 0 and ptr % 16 == 0 and strides[0] % 4 == 0
+            and (rest == 1 or strides[2] % 4 == 0))
 
 
-def _row(x3: torch.Tensor, g3: torch.Tensor, k: int, base: int, layout: tuple, first: int) -> list[int]:
+def _row(f: _Fibres, k: int, base: int, layout: tuple, first: int) -> list[int]:
     """An item's row of the table: pointers, sizes, strides and its first program."""
-    values_at, indices_at, live_at, _, _ = layout
-    return [x3.data_ptr(), g3.data_ptr(), base + values_at, base + indices_at, x3.shape[1],
-            k, x3.shape[2], x3.shape[0] * x3.shape[2], *x3.stride(), *g3.stride(), first,
-            base + live_at]
+    values_at, indices_at, live_at = layout[:3]
+    return [f.x_ptr, f.g_ptr, base + values_at, base + indices_at, f.n, k, f.rest, f.lead * f.rest,
+            *f.x_strides, *f.g_strides, first, base + live_at]
 
 
 class _Typed:
@@ -402,32 +476,41 @@ class _Typed:
     def __init__(self, buffer: torch.Tensor, host: torch.Tensor):
         self._raw, self._views = (buffer, host), {}
 
-    def regions(self, at: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device, host) views of ``shape`` (contiguous) entries of ``dtype`` from byte ``at``."""
+    def regions(self, at: int, dtype: torch.dtype, shape: tuple, strides: tuple
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) views of ``shape`` entries of ``dtype`` (contiguous: ``strides``)
+        from byte ``at``."""
         views = self._views.get(dtype)
         if views is None:
             views = self._views[dtype] = tuple(t[:t.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
                                                for t in self._raw)
-        strides, step = [], 1
-        for size in reversed(shape):
-            strides.append(step)
-            step *= size
-        return tuple(v.as_strided(shape, strides[::-1], at // dtype.itemsize) for v in views)
+        offset = at // dtype.itemsize
+        return views[0].as_strided(shape, strides, offset), views[1].as_strided(shape, strides, offset)
 
 
-def _result(item: Item, layout: tuple, typed: _Typed, host_np: np.ndarray, nonfinite: bool) -> Selected:
+def _result(item: Item, layout: tuple, typed: _Typed, host_np: np.ndarray, nonfinite: bool,
+            all_live: bool) -> Selected:
     """One item's views, with the rows that selected only zeros left out (the kernel's byte a
-    fibre, read on the host: a row is live where one of its fibres is)."""
-    values_at, indices_at, live_at, count, idt = layout
-    shape = (item.x.shape[0], item.k, *item.x.shape[2:])
-    values, host_values = typed.regions(values_at, item.x.dtype, shape)
-    indices, host_indices = typed.regions(indices_at, idt, shape)
-    live = host_np[live_at:live_at + count // item.k].reshape(shape[0], -1).any(1)
-    if not live.all():
-        rows = torch.from_numpy(np.flatnonzero(live))
-        on_device = rows.to(values.device, non_blocking=True)
-        values, indices = values.index_select(0, on_device), indices.index_select(0, on_device)
-        host_values, host_indices = host_values.index_select(0, rows), host_indices.index_select(0, rows)
-    else:
-        rows = None
+    fibre, read on the host where not ``all_live``: a row is live where one of its fibres is)."""
+    values_at, indices_at, live_at, count, idt, k = layout
+    shape = (item.x.shape[0], k, *item.x.shape[2:])
+    strides = _contiguous_strides(shape)
+    values, host_values = typed.regions(values_at, item.x.dtype, shape, strides)
+    indices, host_indices = typed.regions(indices_at, idt, shape, strides)
+    rows = None
+    if not all_live:
+        live = host_np[live_at:live_at + count // k].reshape(shape[0], -1).any(1)
+        if not live.all():
+            rows = torch.from_numpy(np.flatnonzero(live))
+            on_device = rows.to(values.device, non_blocking=True)
+            values, indices = values.index_select(0, on_device), indices.index_select(0, on_device)
+            host_values, host_indices = host_values.index_select(0, rows), host_indices.index_select(0, rows)
     return Selected(values, indices, host_values, host_indices, rows, nonfinite)
+
+
+def _contiguous_strides(shape: tuple) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
