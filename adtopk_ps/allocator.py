@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .env import env_int
+from adtopk_ps.core.env import env_int
 
 # above any single allocation a training process makes, so none goes to mmap
 _THRESHOLD = str(1 << 32)

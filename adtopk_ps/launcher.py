@@ -32,11 +32,17 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from . import security
-from .allocator import keep_freed_memory
-from .cluster import ClusterConfig
-from .deathsig import guarded
-from .env import EnvError, env_int
+from adtopk_ps.allocator import keep_freed_memory
+from adtopk_ps.cluster import security
+from adtopk_ps.cluster.membership import ClusterConfig
+from adtopk_ps.core.env import EnvError, env_int
+from adtopk_ps.deathsig import guarded
+
+#: the server role's entry point, run as ``python -m server`` (``server/__main__.py``): the
+#: server package sits above this one, so the launcher names it instead of importing it
+SERVER_MODULE = "server"
+#: the scheduler role's (``adtopk_ps/cluster/scheduler.py``'s ``main``)
+SCHEDULER_MODULE = "adtopk_ps.cluster.scheduler"
 
 
 def _python_module(module: str) -> list[str]:
@@ -118,9 +124,9 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     lock = threading.Lock()
     formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
-    children = [Child("scheduler", _python_module("adtopk_ps.scheduler"),
+    children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
                       {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed)}, lock)]
-    children += [Child(f"server {i}", _python_module("server"),
+    children += [Child(f"server {i}", _python_module(SERVER_MODULE),
                        {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
     children += [Child(f"worker {i}", command,
@@ -299,10 +305,10 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
     env = keep_freed_memory(os.environ if environ is None else environ)
     config = ClusterConfig.from_env(env)  # validates the whole contract up front
     if config.role == "scheduler":
-        from .scheduler import main as scheduler_main
+        from adtopk_ps.cluster.scheduler import main as scheduler_main
         return scheduler_main()
     if config.role == "server":
-        server = Child("server", _python_module("server"), env, threading.Lock())
+        server = Child("server", _python_module(SERVER_MODULE), env, threading.Lock())
         return supervise([server], config.heartbeat_timeout + 5, None)
     if not command:
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")

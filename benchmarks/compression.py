@@ -30,7 +30,7 @@ import torch
 from adtopk_ps.compression import SparsificationPolicy, create, fibre_triton
 from adtopk_ps.wire import payload_nbytes
 from adtopk_ps.compression.staging import Stage
-from adtopk_ps.wire.payloads import payload_buffers
+from adtopk_ps.wire.frames import payload_buffers
 
 SHAPES = {
     "spec": [(4096, 4096), (512, 512, 3, 3)],  # (512, 512, 3, 3) is also ResNet-50's layer4
@@ -236,8 +236,8 @@ IN_JOB = ("adtopk", "topk")
 def job_partitions(model: torch.nn.Module, ratio: float) -> list[tuple[str, str, slice, float]]:
     """What the job compresses each step: (layer, partition name, its rows, density) for every
     partition of every tensor the policy sends sparse, split as the client splits them."""
-    from adtopk_ps.cluster import DEFAULT_PARTITION_BYTES, part_name, partition_rows
-    from adtopk_ps.env import env_int
+    from adtopk_ps.cluster.membership import DEFAULT_PARTITION_BYTES, part_name, partition_rows
+    from adtopk_ps.core.env import env_int
     # the job's own setting, read as ClusterConfig reads it
     partition_bytes = env_int("BYTEPS_PARTITION_BYTES", DEFAULT_PARTITION_BYTES, minimum=1)
     routes = SparsificationPolicy(ratio).plan(model.named_parameters())
@@ -255,7 +255,7 @@ def in_job(model_name: str, ratio: float, repeats: int, batch: int, clock=time.p
     """Seconds per step for each layer and compressor (one list entry per repeat), on real
     gradients of ``model_name`` (one SGD step between repeats, so the residuals evolve);
     ``clock`` is wall time or, on a loaded machine, this thread's CPU time."""
-    from e2e import MODELS  # the e2e benchmark's models, built as its workers build them
+    from adtopk_ps.testing.systems import MODELS  # the e2e benchmark's, built as its workers build them
     from worker.models import build
     images = sorted(name for name, (_, _, inputs) in MODELS.items() if inputs == "images")
     if model_name not in images:

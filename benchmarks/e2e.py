@@ -56,7 +56,6 @@ import argparse
 import copy
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -65,37 +64,19 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from adtopk_ps.testing.roles import (kill_all, master_address, require_gpu, role_env, role_names,
+                                     spawn_role)
+from adtopk_ps.testing.stats import interval, speed_of
+from adtopk_ps.testing.systems import MODELS, SYSTEMS, ddp_model, ps_compression
+
 ROOT = Path(__file__).resolve().parents[1]
-SYSTEMS = {
-    "ps-dense": {"kind": "ps", "compressor": "none"},
-    "ps-topk": {"kind": "ps", "compressor": "topk"},
-    "ps-adtopk": {"kind": "ps", "compressor": "adtopk", "measure_overlap": True},
-    "ps-adtopk+cost": {"kind": "ps", "compressor": "adtopk", "cost": True},
-    # the cost model, and dense tensors all-reduced among the workers where that measures faster
-    "ps-adtopk+hybrid": {"kind": "ps", "compressor": "adtopk", "cost": True, "dense": "auto"},
-    "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
-    # each layer's update applied in the next forward pass (adtopk_ps.torch.cross_barrier)
-    "ps-adtopk+crossbarrier": {"kind": "ps", "compressor": "adtopk", "crossbarrier": True},
-    "ddp-dense": {"kind": "ddp", "hook": "none"},
-    "ddp-powersgd": {"kind": "ddp", "hook": "powersgd"},
-    "ddp-adtopk": {"kind": "ddp", "hook": "adtopk"},
-}
 # a cross-barrier step leaves its communication to the next forward pass: its system's kinds
 # are timed in runs of this many consecutive steps, the cross-barrier run ending by waiting for
 # its last updates (see worker())
 CROSSBARRIER_RUN = 4
 # steps the overlap="auto" trial times each way (jobs default to 8; PS_OVERLAP_TRIAL_STEPS overrides)
 OVERLAP_TRIAL_STEPS = 4
-# name: (architecture, its parameters, input kind). "vgg" has VGG's own 4096-wide classifier;
-# the smaller two are the scaling study's model sizes
 SCALING_SYSTEMS = ["ps-dense", "ps-adtopk", "ddp-dense", "ddp-powersgd"]
-MODELS = {"vgg": ("vgg", {"hidden": 4096}, "images"),
-          "vgg-2048": ("vgg", {"hidden": 2048}, "images"),
-          "vgg-1024": ("vgg", {"hidden": 1024}, "images"),
-          "resnet18": ("resnet18", {"width": 32}, "images"),
-          "transformer": ("transformer", {"dim": 256, "layers": 4}, "tokens")}
-
-
 # --- one worker ------------------------------------------------------------------------
 
 # name -> (prepare, step): prepare runs untimed before each timed step
@@ -186,7 +167,7 @@ def interleaved(kinds: Kinds, rounds: int, device) -> dict[str, tuple[float, flo
     alike; the order rotates every round, so that each kind follows each other kind as
     often (whatever the one before leaves behind, caches or allocator state, falls on no
     kind alone). ``kinds``: name -> (prepare, step); prepare is not timed."""
-    from adtopk_ps.compression.cost import synchronize
+    from adtopk_ps.core.timing import wait_for_device
     wall = {name: [] for name in kinds}
     cpu = dict.fromkeys(kinds, 0.0)
     names = list(kinds)
@@ -194,10 +175,10 @@ def interleaved(kinds: Kinds, rounds: int, device) -> dict[str, tuple[float, flo
         for name in names[turn % len(names):] + names[:turn % len(names)]:
             prepare, fn = kinds[name]
             prepare()
-            synchronize(device)
+            wait_for_device(device)
             started, cpu_started = time.perf_counter(), time.process_time()
             fn()
-            synchronize(device)  # a GPU step ends when its queued kernels have run
+            wait_for_device(device)  # a GPU step ends when its queued kernels have run
             wall[name].append(time.perf_counter() - started)
             cpu[name] += time.process_time() - cpu_started
     return {name: (sum(wall[name]) / rounds, cpu[name] / rounds, wall[name]) for name in kinds}
@@ -232,26 +213,6 @@ class Traffic:
 
 # --- a DDP system's worker --------------------------------------------------------------
 
-def ddp_model(model, hook: str, ratio: float):
-    """``model`` under torch DDP on gloo, with ``hook`` ("none", "powersgd" or "adtopk" at
-    density ``ratio``) on its buckets."""
-    import torch
-    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
-
-    import adtopk_ps.torch as bps
-    # PowerSGD issues its later collectives from future callbacks; with two buckets in
-    # flight gloo can see them in different orders on different ranks ("collective
-    # mismatch"), so it gets one bucket
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1024 if hook == "powersgd" else 25)
-    if hook == "powersgd":
-        ddp.register_comm_hook(powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,
-                                                      start_powerSGD_iter=2), powersgd.powerSGD_hook)
-    elif hook == "adtopk":
-        ddp.register_comm_hook(bps.ADTopkHookState(model, {"compressor": "adtopk", "k": ratio, "ef": "vanilla"}),
-                               bps.adtopk_hook)
-    return ddp
-
-
 def ddp_step(net, hook: str, ratio: float, work: Workload):
     """One training step of ``net`` under torch DDP (:func:`ddp_model`)."""
     import torch
@@ -275,18 +236,6 @@ def ddp_rounds(args: argparse.Namespace, system: dict, work: Workload) -> dict:
 
 
 # --- a PS system's worker ---------------------------------------------------------------
-
-def ps_compression(system: dict, ratio: float):
-    """The PS system's gradient compression: its compressor at density ``ratio`` with error
-    feedback, under partial sparsification (dense: every tensor)."""
-    import adtopk_ps.torch as bps
-    from adtopk_ps.compression import SparsificationPolicy
-    name = system["compressor"]
-    return bps.GradientCompression(
-        None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
-        SparsificationPolicy(ratio if name != "none" else 1.0),
-        measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
-
 
 def ps_worker(args: argparse.Namespace, system: dict, work: Workload, ddp_twin) -> tuple[int, dict]:
     """A PS system's rounds, then this worker's rank and its figures; the PS is shut down."""
@@ -457,63 +406,6 @@ def hidden_share(overlapped: dict, without: dict) -> str:
 
 # --- the driver ------------------------------------------------------------------------
 
-def role_names(kind: str, servers: int, workers: int) -> list[str]:
-    """The hosts a run's roles take: a PS system's scheduler and servers, then the workers."""
-    return (["scheduler"] + [f"server{i}" for i in range(servers)] if kind == "ps" else []) + \
-        [f"worker{i}" for i in range(workers)]
-
-
-def shares_one_host(net: dict) -> bool:
-    """Whether every role runs on this machine's loopback (netns.loopback), so no fixed ports."""
-    return net["scheduler"][0] is None
-
-
-def role_env(net: dict, servers: int, workers: int) -> dict[str, str]:
-    """The environment every role of a run starts with: this one less any DMLC_/BYTEPS_
-    settings, the cluster's, and this tree's packages first on the path."""
-    from adtopk_ps.allocator import keep_freed_memory
-    from adtopk_ps.launcher import free_port
-    shared = shares_one_host(net)
-    # DDP's workers get the allocator settings bpslaunch gives ours, so compute costs the same
-    env = keep_freed_memory({k: v for k, v in os.environ.items() if not k.startswith(("DMLC_", "BYTEPS_"))})
-    env.update(DMLC_PS_ROOT_URI=net["scheduler"][1], DMLC_PS_ROOT_PORT=str(free_port() if shared else 9000),
-               DMLC_NUM_SERVER=str(servers), DMLC_NUM_WORKER=str(workers),
-               BYTEPS_LOCAL_SIZE="1", OMP_NUM_THREADS="1",
-               # gloo's own address lookup would leave the namespace; likewise NCCL's (the dense
-               # lane, GPU workers)
-               GLOO_SOCKET_IFNAME="lo" if shared else "eth0",
-               NCCL_SOCKET_IFNAME="lo" if shared else "eth0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    return env
-
-
-def master_address(net: dict) -> str:
-    """host:port of worker 0's gloo rendezvous (DDP systems, and --paired)."""
-    from adtopk_ps.launcher import free_port
-    return f"{net['worker0'][1]}:{free_port() if shares_one_host(net) else 29500}"
-
-
-def start_role(net: dict, role: str, kind: str, env: dict, job: list[str], stdout) -> subprocess.Popen:
-    """``role`` on its host, its output (stderr too) to ``stdout``: a PS system's roles under
-    bpslaunch's role mode (a worker's with ``job`` as its command), a DDP worker ``job`` alone."""
-    from adtopk_ps.testing import netns
-    role_env = {**env, "DMLC_ROLE": role.rstrip("0123456789")}
-    if role.startswith("worker"):
-        role_env["DMLC_WORKER_ID"] = role[len("worker"):]
-    argv = ([sys.executable, "-m", "adtopk_ps.launcher"] if kind == "ps" else []) + \
-        (job if role.startswith("worker") else [])
-    return netns.run_in(net[role][0], argv, role_env, stdout=stdout, stderr=subprocess.STDOUT,
-                        text=True, cwd=ROOT)
-
-
-def kill_all(procs: list[subprocess.Popen]) -> None:
-    """End every process of a run still going."""
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
 def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
     """One run of ``system`` on ``model``: worker 0's RESULT; raises where a role failed."""
     kind = SYSTEMS[system]["kind"]
@@ -527,7 +419,7 @@ def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> 
     procs = []
     try:
         for role in role_names(kind, args.servers, args.workers):
-            procs.append(start_role(net, role, kind, env, job, subprocess.PIPE))
+            procs.append(spawn_role(net, role, kind, env, job, subprocess.PIPE))
         outputs = [p.communicate(timeout=300)[0] for p in procs]
     finally:
         kill_all(procs)
@@ -586,23 +478,6 @@ def paired_speed(trials: list[dict]) -> float | None:
     """--paired: DDP dense's mean step over the PS system's, every trial's rounds pooled."""
     pairs = pooled(trials)
     return speed_of(pairs) if pairs else None
-
-
-def speed_of(pairs: list) -> float:
-    return statistics.mean(d for _, d in pairs) / statistics.mean(p for p, _ in pairs)
-
-
-def interval(pairs: list, against: list | None = None, draws: int = 2000,
-             seed: int = 0) -> tuple[float, float]:
-    """The 5th and 95th percentiles of ``speed_of(pairs)`` (over ``speed_of(against)``, given
-    another system's rounds) with rounds resampled with replacement: how far the pooled ratio
-    could move with other rounds of the same noise."""
-    rng = random.Random(seed)
-
-    def draw(rounds: list) -> float:
-        return speed_of(rng.choices(rounds, k=len(rounds)))
-    speeds = sorted(draw(pairs) / (draw(against) if against else 1.0) for _ in range(draws))
-    return speeds[draws // 20], speeds[draws - 1 - draws // 20]
 
 
 def paired_rounds(by_system: dict) -> dict[str, list]:
@@ -857,14 +732,6 @@ def main() -> None:
     write_report(results, args)
     if all("error" in r for trials in results.values() for runs in trials.values() for r in runs):
         sys.exit("e2e benchmark: every run failed (see above)")
-
-
-def require_gpu(device: str, who: str) -> None:
-    """Exit, naming ``who``, where --device cuda was asked for and torch sees no GPU."""
-    if device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            sys.exit(f"{who}: --device cuda, but torch sees no GPU here")
 
 
 def run_plan(args: argparse.Namespace) -> dict:

@@ -49,9 +49,9 @@ def worker_job(args: argparse.Namespace) -> None:
     """Inside a cluster: push_pull the whole gradient set for some rounds, print JSON."""
     import torch
 
-    from adtopk_ps.client import PSClient
+    from adtopk_ps.client.ps_client import PSClient
     from adtopk_ps.compression import SparsificationPolicy, create
-    from adtopk_ps.compression.cost import synchronize
+    from adtopk_ps.core.timing import wait_for_device
 
     torch.set_num_threads(1)
     client = PSClient()
@@ -68,7 +68,7 @@ def worker_job(args: argparse.Namespace) -> None:
                    for i, g in reversed(list(enumerate(grads)))]
         for h in handles:
             h.wait()
-        synchronize(device)  # answers copied back to a GPU have landed
+        wait_for_device(device)  # answers copied back to a GPU have landed
 
     one_round()  # declares every key and allocates the servers' buffers
     client.barrier()
@@ -192,7 +192,7 @@ def main() -> None:
     if args.curve:
         import tempfile
 
-        from adtopk_ps.security import keygen
+        from adtopk_ps.cluster.security import keygen
         keys = str(keygen(tempfile.mkdtemp()).parent)
         configs += [("large", 1, 1, "none", keys), ("large", 2, 2, "none", keys)]
     for grads, w, s, comp, *secured in configs:

@@ -53,7 +53,7 @@ def start_roles(args: argparse.Namespace, reports: Path) -> dict[str, subprocess
            "OMP_NUM_THREADS": "1", "PS_REGISTER_TIMEOUT_S": "120"}
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "text": True,
              "start_new_session": True}
-    roles = {"scheduler": subprocess.Popen([sys.executable, "-m", "adtopk_ps.scheduler"],
+    roles = {"scheduler": subprocess.Popen([sys.executable, "-m", "adtopk_ps.cluster.scheduler"],
                                            env={**env, "DMLC_ROLE": "scheduler"}, **quiet)}
     for i in range(args.servers):
         roles[f"server {i}"] = subprocess.Popen([sys.executable, "-m", "server"],

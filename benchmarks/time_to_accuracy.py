@@ -30,11 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this tree's packages, not whichever an installed copy points to
+from adtopk_ps.testing.roles import (kill_all, master_address, require_gpu, role_env, role_names,
+                                     spawn_role)
+from adtopk_ps.testing.systems import SYSTEMS, ddp_model, ps_compression
 
-from e2e import (SYSTEMS, ddp_model, kill_all, master_address, ps_compression,  # noqa: E402
-                 require_gpu, role_env, role_names, start_role)
+ROOT = Path(__file__).resolve().parents[1]
 # crossing the barrier leaves each step's updates to the next forward pass: not a plain loop
 RUNNABLE = [s for s in SYSTEMS if not SYSTEMS[s].get("crossbarrier")]
 DEFAULT_SYSTEMS = ["ddp-dense", "ddp-powersgd", "ps-dense", "ps-topk", "ps-adtopk", "ps-adtopk-i",
@@ -236,7 +236,7 @@ def run_system(net: dict, system: str, args: argparse.Namespace) -> dict:
         try:
             for role in roles:
                 logs.append(open(Path(tmp) / f"{role}.log", "w+"))  # files: no pipe can fill and stall a role
-                procs.append(start_role(net, role, kind, env, job, logs[-1]))
+                procs.append(spawn_role(net, role, kind, env, job, logs[-1]))
             codes = wait_all(procs, limit)
         finally:
             kill_all(procs)

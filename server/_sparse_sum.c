@@ -3,7 +3,7 @@
  *
  * The buffer is all zeros when a sparse round starts, so a position is new to the round
  * exactly when its entry is still zero as a value lands there; add() lists those. Reading
- * the answer, drain() takes each listed entry that is nonzero and zeroes it, which also
+ * the answer, take_nonzero() takes each listed entry that is nonzero and zeroes it, which also
  * skips a position listed twice (its sum went back to zero and was touched again) and
  * leaves the buffer clean for the next round. No sort, no scan of the whole key.
  */
@@ -99,8 +99,8 @@ static PyObject *add(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(m);
 }
 
-/* drain(buf, numel, listed, count, positions, values) -> how many nonzero sums were read */
-static PyObject *drain(PyObject *self, PyObject *args)
+/* take_nonzero(buf, numel, listed, count, positions, values) -> how many nonzero sums were read */
+static PyObject *take_nonzero(PyObject *self, PyObject *args)
 {
     unsigned long long buf_addr, listed_addr, pos_addr, values_addr;
     Py_ssize_t numel, count;
@@ -114,7 +114,7 @@ static PyObject *drain(PyObject *self, PyObject *args)
     float *values = (float *)(uintptr_t)values_addr;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (listed[i] < 0 || listed[i] >= numel) {
-            PyErr_Format(PyExc_ValueError, "sparse drain: position %lld is not within [0, %zd)",
+            PyErr_Format(PyExc_ValueError, "sparse take_nonzero: position %lld is not within [0, %zd)",
                          (long long)listed[i], numel);
             return NULL;
         }
@@ -135,8 +135,8 @@ static PyObject *drain(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"add", add, METH_VARARGS,
      "add(buf, numel, idx, idx_size, lead, n, rest, k, values, new, rows) -> count of new positions"},
-    {"drain", drain, METH_VARARGS,
-     "drain(buf, numel, listed, count, positions, values) -> count of nonzero sums read"},
+    {"take_nonzero", take_nonzero, METH_VARARGS,
+     "take_nonzero(buf, numel, listed, count, positions, values) -> count of nonzero sums read"},
     {NULL, NULL, 0, NULL},
 };
 

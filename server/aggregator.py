@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from adtopk_ps.compression import Compressor, ErrorFeedback, Payload
-from adtopk_ps.dtypes import index_dtype
+from adtopk_ps.compression import Compressor, ErrorFeedback
+from adtopk_ps.core.dtypes import index_dtype
+from adtopk_ps.core.payload import Payload
 
 from . import sparse_sum
 
@@ -100,7 +101,7 @@ class KeyState:
         flat = aggregate.view(-1)
         listed = torch.cat(touched)
         if sparse_sum.applies_to(flat) and not dense_is_smaller(listed.numel(), flat):
-            union, values = sparse_sum.drain(flat, listed)
+            union, values = sparse_sum.take_nonzero(flat, listed)
         else:
             union = union_of(listed)
             values = flat[union]

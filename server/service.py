@@ -17,10 +17,10 @@ import torch
 import zmq
 
 from adtopk_ps import wire
-from adtopk_ps.cluster import ClusterConfig, start_role
+from adtopk_ps.cluster.membership import ClusterConfig, start_role
+from adtopk_ps.cluster.transport import ClusterError, SchedulerLink, drain, make_socket, send
 from adtopk_ps.compression import Compressor, create
-from adtopk_ps.env import env_int
-from adtopk_ps.transport import ClusterError, SchedulerLink, drain, make_socket, send
+from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
 
 from .aggregator import Aggregator, PushRejected

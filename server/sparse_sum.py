@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from adtopk_ps.compression import Payload
-from adtopk_ps.dtypes import INDEX_DTYPES
+from adtopk_ps.core.dtypes import INDEX_DTYPES
+from adtopk_ps.core.payload import Payload
 
 try:
     from . import _sparse_sum
@@ -22,7 +22,7 @@ except ImportError:  # built without a C compiler: the aggregator's torch path d
 
 
 def applies_to(buffer: torch.Tensor) -> bool:
-    """Whether this path can sum into (and drain) ``buffer``."""
+    """Whether this path can sum into ``buffer`` (and take its sums back)."""
     return (_sparse_sum is not None and buffer.dtype == torch.float32
             and buffer.device.type == "cpu" and buffer.is_contiguous())
 
@@ -55,11 +55,11 @@ def add(buffer: torch.Tensor, payload: Payload) -> torch.Tensor:
     return fresh[:count]
 
 
-def drain(buffer: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def take_nonzero(buffer: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The nonzero entries of ``buffer`` at ``listed`` positions (positions, values), zeroed."""
     listed = listed.contiguous()
     positions = torch.empty(listed.numel(), dtype=torch.int64)
     values = torch.empty(listed.numel(), dtype=buffer.dtype)
-    count = _sparse_sum.drain(buffer.data_ptr(), buffer.numel(), listed.data_ptr(), listed.numel(),
+    count = _sparse_sum.take_nonzero(buffer.data_ptr(), buffer.numel(), listed.data_ptr(), listed.numel(),
                               positions.data_ptr(), values.data_ptr())
     return positions[:count], values[:count]

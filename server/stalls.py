@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adtopk_ps.env import env_int
+from adtopk_ps.core.env import env_int
 
 
 @dataclass

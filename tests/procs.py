@@ -10,7 +10,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from adtopk_ps.cluster import ClusterConfig
+from adtopk_ps.cluster.membership import ClusterConfig
 from adtopk_ps.launcher import free_port
 
 FAST = {"PS_HEARTBEAT_INTERVAL_MS": "200", "PS_HEARTBEAT_TIMEOUT_MS": "2000",
@@ -85,7 +85,7 @@ def roles(workers, servers, **extra):
     """A scheduler and ``servers`` server processes; yields the workers' ClusterConfig."""
     port = free_port()
     env = cluster_env(workers, servers, port, **extra)
-    procs = [subprocess.Popen([sys.executable, "-m", "adtopk_ps.scheduler"],
+    procs = [subprocess.Popen([sys.executable, "-m", "adtopk_ps.cluster.scheduler"],
                               env={**env, "DMLC_ROLE": "scheduler"}, start_new_session=True,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     procs += [subprocess.Popen([sys.executable, "-m", "server"], env={**env, "DMLC_ROLE": "server"},
@@ -104,7 +104,7 @@ def roles(workers, servers, **extra):
 def clients(config, n):
     """``n`` worker clients of one cluster, registered concurrently (the address book
     arrives only when every worker has registered)."""
-    from adtopk_ps.client import PSClient
+    from adtopk_ps.client.ps_client import PSClient
     out = [None] * n
 
     def start(i):

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from adtopk_ps.compression import ADTopk, TopK, fibre_k
-from adtopk_ps.dtypes import index_dtype
+from adtopk_ps.core.dtypes import index_dtype
 from adtopk_ps.compression.base import global_k
 
 from strategies import gradients, ratios, rule_positions

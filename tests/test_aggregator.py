@@ -3,7 +3,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from adtopk_ps.compression import Payload, create
+from adtopk_ps.compression import create
+from adtopk_ps.core.payload import Payload
 from adtopk_ps.wire import payload_nbytes
 from server.aggregator import Aggregator, PushRejected, smaller_encoding
 

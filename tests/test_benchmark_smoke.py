@@ -152,25 +152,21 @@ def test_e2e_benchmark_runs_over_loopback_where_namespaces_cannot_be_made(tmp_pa
 
 
 def test_paired_interval_brackets_the_pooled_ratio_and_widens_with_noise():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import e2e
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from adtopk_ps.testing import stats
     steady = [(0.5, 0.6)] * 30  # (PS step, DDP step): DDP always 1.2x slower
-    assert e2e.interval(steady) == pytest.approx((1.2, 1.2))
+    assert stats.interval(steady) == pytest.approx((1.2, 1.2))
     noisy = [(0.5 + 0.2 * (i % 3), 0.6 + 0.15 * (i % 5)) for i in range(30)]
-    low, high = e2e.interval(noisy)
-    assert low < e2e.speed_of(noisy) < high
-    assert e2e.interval(noisy) == (low, high)  # seeded: the report does not move between renders
-    fewer_low, fewer_high = e2e.interval(noisy[:10])
+    low, high = stats.interval(noisy)
+    assert low < stats.speed_of(noisy) < high
+    assert stats.interval(noisy) == (low, high)  # seeded: the report does not move between renders
+    fewer_low, fewer_high = stats.interval(noisy[:10])
     assert fewer_high - fewer_low > high - low  # fewer rounds, less certainty
     # one system against another: each over DDP dense in its own rounds, both resampled
     level = [(0.6, 0.6)] * 30
-    assert e2e.interval(steady, level) == pytest.approx((1.2, 1.2))
-    low, high = e2e.interval(noisy, noisy[::-1])
-    assert low < 1 < high and e2e.interval(noisy, noisy[::-1]) == (low, high)
-    assert e2e.interval(noisy, level)[1] - e2e.interval(noisy, level)[0] < high - low
+    assert stats.interval(steady, level) == pytest.approx((1.2, 1.2))
+    low, high = stats.interval(noisy, noisy[::-1])
+    assert low < 1 < high and stats.interval(noisy, noisy[::-1]) == (low, high)
+    assert stats.interval(noisy, level)[1] - stats.interval(noisy, level)[0] < high - low
 
 
 def test_convergence_study_resumes_and_reports(tmp_path):

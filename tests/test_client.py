@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from adtopk_ps.client import PSClient, PushPullError
+from adtopk_ps.client.engine import PushPullError
+from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.compression import Compressor
 
 from procs import clients as start_clients
@@ -43,7 +44,7 @@ class Failing(Compressor):
 def test_a_compression_error_fails_every_handle_at_once():
     # the tensor whose compression failed was off the queue and not yet in flight: its
     # handle must fail too, not wait out the push_pull timeout
-    from adtopk_ps.transport import ClusterError
+    from adtopk_ps.cluster.transport import ClusterError
     with roles(1, 1) as (config, _):
         c = PSClient(config)
         comp = Failing("layer0")
@@ -148,8 +149,8 @@ def test_answers_land_in_place_averaged_for_every_codec():
 def test_the_gil_switch_interval_is_shortened_unless_turned_off():
     import sys
 
-    from adtopk_ps.client_engine import shorten_gil_switch
-    from adtopk_ps.env import EnvError
+    from adtopk_ps.client.engine import shorten_gil_switch
+    from adtopk_ps.core.env import EnvError
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
@@ -226,10 +227,11 @@ def test_two_rounds_of_one_key_in_flight_are_answered_in_order():
     import zmq
 
     from adtopk_ps import wire
-    from adtopk_ps.client import Handle
-    from adtopk_ps.client_engine import Engine, _Part
-    from adtopk_ps.cluster import ClusterConfig
-    from adtopk_ps.compression import Dense, Payload
+    from adtopk_ps.client.handle import Handle
+    from adtopk_ps.client.engine import Engine, _Part
+    from adtopk_ps.cluster.membership import ClusterConfig
+    from adtopk_ps.compression import Dense
+    from adtopk_ps.core.payload import Payload
     config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
                                      "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
                                      "DMLC_PS_ROOT_PORT": "9"})

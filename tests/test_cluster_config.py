@@ -4,8 +4,8 @@ import math
 import pytest
 from hypothesis import given, strategies as st
 
-from adtopk_ps.cluster import ClusterConfig, djb2, make_key, partition_rows, server_of
-from adtopk_ps.env import EnvError
+from adtopk_ps.cluster.membership import ClusterConfig, djb2, make_key, partition_rows, server_of
+from adtopk_ps.core.env import EnvError
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1",
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000"}

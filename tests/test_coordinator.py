@@ -2,8 +2,8 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from adtopk_ps import coordinator
-from adtopk_ps.coordinator import JOIN, Coordinator
+from adtopk_ps.cluster import coordinator
+from adtopk_ps.cluster.coordinator import JOIN, Coordinator
 
 SHAPE = {"kind": "allreduce", "dtype": "float32", "shape": [17, 17]}
 

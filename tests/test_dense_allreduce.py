@@ -120,7 +120,7 @@ bps.shutdown()
 def test_under_curve_keys_allreduce_is_refused_and_auto_keeps_to_the_servers(tmp_path):
     """gloo would carry the gradients in the clear beside an encrypted parameter server.
     (A process of its own: CURVE, once set up on a zmq context, stays on it.)"""
-    from adtopk_ps.security import keygen
+    from adtopk_ps.cluster.security import keygen
     from procs import roles
     keygen(tmp_path / "keys")
     keys = {"PS_CURVE_KEYS": str(tmp_path / "keys")}

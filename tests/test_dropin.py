@@ -65,7 +65,7 @@ def test_horovod_calls_run_with_the_import_changed():
 def test_compression_names_resolve_and_unknown_ones_are_refused():
     from adtopk_ps.compression import ADTopk, ErrorFeedback, TopK
     from adtopk_ps.torch import Compression, GradientCompression
-    from adtopk_ps.torch.compression import FP16, compressor_of
+    from adtopk_ps.torch.compressors import FP16, compressor_of
     assert compressor_of(Compression.none) is None and compressor_of("none") is None
     made = Compression.adtopk(ratio=0.05)
     assert isinstance(made, ErrorFeedback) and isinstance(made.base, ADTopk) and made.ratio == 0.05

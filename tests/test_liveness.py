@@ -13,11 +13,11 @@ import pytest
 import torch
 import zmq
 
-from adtopk_ps.client import PSClient
+from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.launcher import free_port
-from adtopk_ps.liveness import RECONNECT_GRACE, Monitor
-from adtopk_ps.security import keygen
-from adtopk_ps.transport import ClusterError
+from adtopk_ps.cluster.liveness import RECONNECT_GRACE, Monitor
+from adtopk_ps.cluster.security import keygen
+from adtopk_ps.cluster.transport import ClusterError
 
 from procs import clients as start_clients, cluster_env, roles
 
@@ -104,7 +104,7 @@ def test_a_duplicate_worker_id_is_refused_at_once_and_the_waiting_worker_says_wh
 
 def test_a_server_too_many_is_refused_at_once_with_the_reason():
     env = {**cluster_env(1, 1, free_port(), **DEFAULTS)}
-    started = [Lines([sys.executable, "-m", "adtopk_ps.scheduler"], {**env, "DMLC_ROLE": "scheduler"})]
+    started = [Lines([sys.executable, "-m", "adtopk_ps.cluster.scheduler"], {**env, "DMLC_ROLE": "scheduler"})]
     try:
         started.append(Lines(COMMANDS["server"], {**env, "DMLC_ROLE": "server"}))
         started[1].wait_for("waiting for the other nodes: 0 of 1 worker(s) and 1 of 1 server(s)", 60)
@@ -223,7 +223,7 @@ def test_a_connection_that_drops_and_comes_back_within_the_grace_is_not_a_loss()
 def test_a_node_without_the_clusters_keys_says_the_handshake_failed(tmp_path):
     keygen(tmp_path / "keys")
     env = cluster_env(1, 1, free_port(), **DEFAULTS)
-    started = [Lines([sys.executable, "-m", "adtopk_ps.scheduler"],
+    started = [Lines([sys.executable, "-m", "adtopk_ps.cluster.scheduler"],
                      {**env, "DMLC_ROLE": "scheduler", "PS_CURVE_KEYS": str(tmp_path / "keys")})]
     try:
         started.append(Lines(COMMANDS["server"], {**env, "DMLC_ROLE": "server",

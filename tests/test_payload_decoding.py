@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from adtopk_ps import wire
-from adtopk_ps.compression import PayloadError, create
+from adtopk_ps.compression import create
+from adtopk_ps.core.payload import PayloadError
 from adtopk_ps.wire.checks import payload_from_fields
 
 from strategies import ENVELOPE, encoded_payload_bytes

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adtopk_ps.compression import SparsificationPolicy, fibre_k
-from adtopk_ps.env import EnvError
+from adtopk_ps.core.env import EnvError
 
 
 def _model():

@@ -7,10 +7,10 @@ import torch
 import zmq
 
 from adtopk_ps import wire
-from adtopk_ps.client import PSClient
+from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.compression import create
-from adtopk_ps.env import EnvError
-from adtopk_ps.security import keygen, keys_from_env
+from adtopk_ps.core.env import EnvError
+from adtopk_ps.cluster.security import keygen, keys_from_env
 
 from procs import roles
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from adtopk_ps.compression import create
-from adtopk_ps.compression.seeded import seed_for, seed_keys, seeded_indices, seeded_values
+from adtopk_ps.core.seeded import seed_for, seed_keys, seeded_indices, seeded_values
 
 M32, M64 = (1 << 32) - 1, (1 << 64) - 1
 PROGRAMS = Path(__file__).parent / "programs"

@@ -4,7 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adtopk_ps.compression import Payload, create
+from adtopk_ps.compression import create
+from adtopk_ps.core.payload import Payload
 from server import sparse_sum
 from server.aggregator import Aggregator, PushRejected
 

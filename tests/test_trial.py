@@ -61,7 +61,7 @@ def test_auto_trial_in_a_real_job_keeps_every_step_exact(session, monkeypatch):
             opt.step()
         opt.zero_grad()
     assert modes[:3] == [True, True, True] and False in modes[3:7]  # both ways were tried
-    assert opt._trial.length == 7 and len(set(modes[7:])) == 1  # then one of them stayed
+    assert opt.gradient_sync.trial.length == 7 and len(set(modes[7:])) == 1  # then one of them stayed
     assert not opt.choosing
     opt.set_overlap(True)  # an explicit choice ends the trial
     assert opt.overlap is True

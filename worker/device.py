@@ -15,7 +15,7 @@ from typing import Mapping
 
 import torch
 
-from adtopk_ps.env import env_int
+from adtopk_ps.core.env import env_int
 
 from .validate import DEVICES, ConfigError
 

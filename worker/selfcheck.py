@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from adtopk_ps.client import PSClient
-from adtopk_ps.cluster import part_name, partition_rows, split
+from adtopk_ps.client.ps_client import PSClient
+from adtopk_ps.cluster.membership import part_name, partition_rows, split
 from adtopk_ps.compression import COMPRESSORS, create
-from adtopk_ps.dtypes import FLOAT_DTYPES
+from adtopk_ps.core.dtypes import FLOAT_DTYPES
 
 DEFAULT_SHAPES = ["64x300", "1000", "7x3x5x5", "33x1", "1x70000", "600x1024"]
 # the dtypes gradients are trained in (float64 travels too, but no model here pushes it)

@@ -15,21 +15,21 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
-from adtopk_ps.client import CollectiveError, PushPullError
+from adtopk_ps.client.engine import PushPullError
+from adtopk_ps.client.ps_client import CollectiveError
+from adtopk_ps.cluster.stop import stop_quietly_on_signals
+from adtopk_ps.cluster.transport import ClusterError
 from adtopk_ps.compression import SparsificationPolicy, create
-from adtopk_ps.env import EnvError
-from adtopk_ps.stop import stop_quietly_on_signals
+from adtopk_ps.core.env import EnvError
 from adtopk_ps.torch.runtime import mark_failed
-from adtopk_ps.transport import ClusterError
 
 from . import checkpoint
 from . import config as job_config
 from . import device as job_device
 from .data import Dataset, DatasetUnavailable, load
 from .models import build
-from .outputs import MetricsLog, OutputError, write_summary, writable_outputs
+from .outputs import MetricsLog, OutputError, writable_outputs, write_summary
 from .validate import OPTIMIZERS
-
 
 
 def lr_at(step: int, total: int, base: float, schedule: dict) -> float:

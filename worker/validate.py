@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from adtopk_ps.compression import COMPRESSORS, create, parameters
+from adtopk_ps.torch.gradient_compression import TRANSPORTS
+from adtopk_ps.torch.nonfinite import POLICIES
 
 from .data import DATASETS, DatasetUnavailable, check_available
 from .models import MODELS
@@ -22,8 +24,6 @@ from .models import MODELS
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 LR_SCHEDULES = {"constant": {"warmup_steps"}, "cosine": {"warmup_steps"},
                 "step": {"warmup_steps", "gamma", "every"}}
-NONFINITE = ("stop", "skip")
-DENSE_TRANSPORTS = ("ps", "allreduce", "auto")
 DEVICES = ("auto", "cpu", "cuda")  # see device.py
 
 Check = Callable[[str, Any, Mapping], None]  # (dotted key, value, the whole config)
@@ -214,11 +214,11 @@ SCHEMA: dict[str, Check] = {
     "optimizer": optimizer, "lr_schedule": lr_schedule,
     "epochs": integer(1), "steps": integer(1, optional=True),
     "compression": compression, "min_compress_bytes": integer(0),
-    "budget": boolean, "cost_model": boolean, "dense_transport": choice(DENSE_TRANSPORTS),
+    "budget": boolean, "cost_model": boolean, "dense_transport": choice(TRANSPORTS),
     "eval_every": integer(1), "checkpoint_every": integer(1), "checkpoint_keep": integer(1), "verify_every": integer(0),
     "seed": integer(0),
     "metrics": metrics, "progress": boolean,
-    "nonfinite": choice(NONFINITE), "device": device,
+    "nonfinite": choice(POLICIES), "device": device,
 }
 
 

@@ -14,12 +14,13 @@ from typing import Iterator
 
 import torch
 
-from ..dtypes import index_dtype
-from . import fibre_triton
-from .base import Compressor, Request, distinct, flat_of, global_k
-from .payload import Payload
-from .select import all_finite, fibre_topk, fibre_topk_feedback, global_topk, live_rows
-from .staging import StagePool
+from adtopk_ps.compression import fibre_triton
+from adtopk_ps.compression.base import Compressor, Request, distinct, flat_of, global_k
+from adtopk_ps.compression.select import (all_finite, fibre_topk, fibre_topk_feedback, global_topk,
+                                          live_rows)
+from adtopk_ps.compression.staging import StagePool
+from adtopk_ps.core.dtypes import index_dtype
+from adtopk_ps.core.payload import Payload
 
 LAYOUTS = ("axis", "rows")
 

@@ -8,9 +8,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..dtypes import FLOAT_DTYPES, index_dtype
-from .payload import Payload
-from .select import all_finite, fibre_topk_feedback
+from adtopk_ps.compression.select import all_finite, fibre_topk_feedback
+from adtopk_ps.core.dtypes import FLOAT_DTYPES, index_dtype
+from adtopk_ps.core.payload import Payload
 
 #: what ``value_dtype`` may name: the 16-bit wire dtypes, by their wire names or short aliases,
 #: or None for the tensor's own dtype

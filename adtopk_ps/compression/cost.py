@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Compressor
+from adtopk_ps.compression.base import Compressor
+from adtopk_ps.core.timing import wait_for_device
 
 # conservative bytes per kept element: the value plus a 4-byte position
 _INDEX_BYTES = 4
@@ -47,14 +48,6 @@ class CostModel:
         return sparse < dense
 
 
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the work queued on ``device`` (a GPU runs its kernels after the call that
-    launched them returns; a timing that ends without waiting measures the launch alone)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def compression_speed(compressor: Compressor, elements: int = 1 << 20, repeats: int = 3,
                       device: torch.device | str = "cpu") -> float:
     """Seconds per element, the best of a few calls on a random [1024, elements/1024] tensor
@@ -68,9 +61,9 @@ def compression_speed(compressor: Compressor, elements: int = 1 << 20, repeats: 
                     generator=torch.Generator().manual_seed(0)).to(device)
     best = float("inf")  # (the best leaves out the first call, which loads a GPU's kernels)
     for i in range(repeats):
-        synchronize(x.device)
+        wait_for_device(x.device)
         started = time.perf_counter()
         compressor.compress(x, "cost-model-probe", i)
-        synchronize(x.device)
+        wait_for_device(x.device)
         best = min(best, time.perf_counter() - started)
     return best / x.numel()

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor
-from .payload import Payload
-from .select import all_finite
+from adtopk_ps.compression.base import Compressor
+from adtopk_ps.compression.select import all_finite
+from adtopk_ps.core.payload import Payload
 
 
 class Dense(Compressor):

@@ -5,10 +5,10 @@ import math
 
 import torch
 
-from .base import Compressor, check_ratio, flat_of, global_k
-from .payload import Payload
-from .seeded import seed_for
-from .select import above, global_topk, trim
+from adtopk_ps.compression.base import Compressor, check_ratio, flat_of, global_k
+from adtopk_ps.compression.select import above, global_topk, trim
+from adtopk_ps.core.payload import Payload
+from adtopk_ps.core.seeded import seed_for
 
 
 class DGC(Compressor):

@@ -36,12 +36,12 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..dtypes import index_dtype, wire_name
-from .staging import Stage, aligned
+from adtopk_ps.compression.staging import Stage, aligned
+from adtopk_ps.core.dtypes import index_dtype, wire_name
 
 # bits of |x| below the sign, and the key of an infinity (a NaN's key is clipped to it)
 _BITS = {torch.float32: 31, torch.float16: 15, torch.bfloat16: 15}
-#: the wire's float dtypes (adtopk_ps/dtypes.py) this kernel selects in: all but float64
+#: the wire's float dtypes (adtopk_ps/core/dtypes.py) this kernel selects in: all but float64
 DTYPES = tuple(_BITS)
 _INF_KEY = {torch.float32: 0x7F800000, torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
 #: the longest fibre a program holds in registers; longer ones take select.py's path
@@ -69,7 +69,7 @@ def _triton():
         import triton.language as tl
     except ImportError:
         return None
-    from . import _fibre_kernel
+    from adtopk_ps.compression import _fibre_kernel
     return _fibre_kernel.kernel, tl
 
 

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from .base import Compressor, flat_of, global_k
-from .payload import Payload
-from .select import above, global_topk, trim
+from adtopk_ps.compression.base import Compressor, flat_of, global_k
+from adtopk_ps.compression.select import above, global_topk, trim
+from adtopk_ps.core.payload import Payload
 
 _RESCALE_ROUNDS = 3
 

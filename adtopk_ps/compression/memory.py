@@ -11,8 +11,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .base import Compressor, Request, distinct
-from .payload import Payload
+from adtopk_ps.compression.base import Compressor, Request, distinct
+from adtopk_ps.core.payload import Payload
 
 EF_KINDS = ("vanilla",)
 

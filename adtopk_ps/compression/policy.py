@@ -13,9 +13,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..env import env_int
-from .base import check_ratio
-from .cost import CostModel
+from adtopk_ps.compression.base import check_ratio
+from adtopk_ps.compression.cost import CostModel
+from adtopk_ps.core.env import env_int
 
 DEFAULT_MIN_COMPRESS_BYTES = 65536
 

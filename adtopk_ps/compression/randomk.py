@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, flat_of, global_k
-from .payload import Payload
-from .seeded import seed_for, seeded_values
-from .select import all_finite
+from adtopk_ps.compression.base import Compressor, flat_of, global_k
+from adtopk_ps.compression.select import all_finite
+from adtopk_ps.core.payload import Payload
+from adtopk_ps.core.seeded import seed_for, seeded_values
 
 
 class RandomK(Compressor):

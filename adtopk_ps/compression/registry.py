@@ -4,15 +4,15 @@ from __future__ import annotations
 import inspect
 from typing import Mapping
 
-from .adtopk import ADTopk, ADTopkInterleaved
-from .base import Compressor
-from .dense import Dense
-from .dgc import DGC
-from .gaussiank import GaussianK
-from .memory import EF_KINDS, ErrorFeedback
-from .randomk import RandomK
-from .threshold import Threshold
-from .topk import TopK
+from adtopk_ps.compression.adtopk import ADTopk, ADTopkInterleaved
+from adtopk_ps.compression.base import Compressor
+from adtopk_ps.compression.dense import Dense
+from adtopk_ps.compression.dgc import DGC
+from adtopk_ps.compression.gaussiank import GaussianK
+from adtopk_ps.compression.memory import EF_KINDS, ErrorFeedback
+from adtopk_ps.compression.randomk import RandomK
+from adtopk_ps.compression.threshold import Threshold
+from adtopk_ps.compression.topk import TopK
 
 COMPRESSORS: dict[str, type[Compressor]] = {
     cls.name: cls

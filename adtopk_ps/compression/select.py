@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 try:
-    from . import _fibre
+    from adtopk_ps.compression import _fibre
 except ImportError:  # built without a C compiler: the torch kernels below do the work
     _fibre = None
 
@@ -36,7 +36,7 @@ except ImportError:  # built without a C compiler: the torch kernels below do th
 _MIN_TWO_STAGE = 1024
 # Group sizes outside this range measured slower on every layer shape tried.
 _MIN_GROUP, _MAX_GROUP = 4, 8
-# the wire's float dtypes (adtopk_ps/dtypes.py) that numpy can partition: it has no bfloat16
+# the wire's float dtypes (adtopk_ps/core/dtypes.py) that numpy can partition: it has no bfloat16
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 

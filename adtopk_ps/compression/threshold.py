@@ -12,9 +12,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .base import Compressor, flat_of, global_k
-from .payload import Payload
-from .select import above, global_topk
+from adtopk_ps.compression.base import Compressor, flat_of, global_k
+from adtopk_ps.compression.select import above, global_topk
+from adtopk_ps.core.payload import Payload
 
 
 @dataclass

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Compressor, flat_of, global_k
-from .payload import Payload
-from .select import global_topk
+from adtopk_ps.compression.base import Compressor, flat_of, global_k
+from adtopk_ps.compression.select import global_topk
+from adtopk_ps.core.payload import Payload
 
 
 class TopK(Compressor):

@@ -11,7 +11,7 @@ import subprocess
 from contextlib import contextmanager
 from typing import Iterator, Mapping, Sequence
 
-from ..deathsig import guarded
+from adtopk_ps.deathsig import guarded
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -8,21 +8,23 @@
 
 docs/compatibility.md lists every byteps.torch and horovod.torch name and what differs.
 """
-from .agreement import Disagreement
-from .compression import Compression
-from .ddp_hook import ADTopkHookState, adtopk_hook
-from .nonfinite import NonFiniteGradient
-from .objects import allgather_object, broadcast_object
-from .ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async,
-                  allreduce, allreduce_, allreduce_async, allreduce_async_, barrier, broadcast,
-                  broadcast_, broadcast_async, broadcast_async_, byteps_push_pull, declare, join,
-                  poll, push_pull, push_pull_async, push_pull_async_inplace, push_pull_inplace,
-                  synchronize)
-from .optimizer import DistributedOptimizer, GradientCompression
-from .replicas import ReplicasDiverged, verify_replicas
-from .runtime import (client, init, is_initialized, local_rank, local_size, rank, resume, shutdown,
-                      size, suspend)
-from .state_broadcast import broadcast_optimizer_state, broadcast_parameters
+from adtopk_ps.torch.agreement import Disagreement
+from adtopk_ps.torch.compressors import Compression
+from adtopk_ps.torch.ddp_hook import ADTopkHookState, adtopk_hook
+from adtopk_ps.torch.gradient_compression import GradientCompression
+from adtopk_ps.torch.nonfinite import NonFiniteGradient
+from adtopk_ps.torch.objects import allgather_object, broadcast_object
+from adtopk_ps.torch.ops import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather,
+                                 allgather_async, allreduce, allreduce_, allreduce_async,
+                                 allreduce_async_, barrier, broadcast, broadcast_, broadcast_async,
+                                 broadcast_async_, byteps_push_pull, declare, join, poll, push_pull,
+                                 push_pull_async, push_pull_async_inplace, push_pull_inplace,
+                                 synchronize)
+from adtopk_ps.torch.optimizer import DistributedOptimizer
+from adtopk_ps.torch.replicas import ReplicasDiverged, verify_replicas
+from adtopk_ps.torch.runtime import (client, init, is_initialized, local_rank, local_size, rank,
+                                     resume, shutdown, size, suspend)
+from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [
     "ADTopkHookState", "Adasum", "Average", "Compression", "Disagreement", "DistributedOptimizer",

@@ -18,15 +18,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import torch
 
-from ..compression import Compressor
-from .fusion import plan_buckets
-
-if TYPE_CHECKING:
-    from .optimizer import GradientCompression
+from adtopk_ps.compression import Compressor
+from adtopk_ps.torch.fusion import plan_buckets
+from adtopk_ps.torch.gradient_compression import GradientCompression
 
 MAX_LINES = 5  # differences named in the message; the rest are counted
 NAME = ".agreement"  # pushed as "allgather.object..agreement...": no module path has an empty part

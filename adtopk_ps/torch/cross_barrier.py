@@ -12,7 +12,7 @@ the user's own optimizer (its per-parameter state kept), with the
 hyper-parameters its groups had at ``step()`` (a scheduler stepped after
 ``step()`` changes the next update, as without crossing the barrier).
 
-Gradients travel through the same engine as the optimizer's (:mod:`.engine`).
+Gradients travel through a :class:`~.gradient_sync.GradientSync`, as the optimizer's do.
 This module also offers the rest of :mod:`adtopk_ps.torch` under the same
 names, as byteps' does: ``import adtopk_ps.torch.cross_barrier as bps``.
 """
@@ -22,10 +22,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import *  # noqa: F401,F403 - byteps' cross_barrier module offers the whole API too
-from . import __all__ as _api
-from .compression import Compression
-from .engine import gradient_engine
+from adtopk_ps.torch import *  # noqa: F401,F403 - byteps' cross_barrier offers the whole API too
+from adtopk_ps.torch import __all__ as _api
+from adtopk_ps.torch.compressors import Compression
+from adtopk_ps.torch.gradient_sync import for_wrapper
 
 # updated one parameter at a time: optimizers whose step treats each parameter on its own
 SUPPORTED = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
@@ -67,11 +67,11 @@ class _CrossBarrier(torch.optim.Optimizer):
         self._names = {id(p): name for name, p in named}
         self._pending: dict[int, tuple[torch.Tensor, Callable[[], torch.Tensor], dict]] = {}
         self._steps = 0
-        # before the engine's hooks, so that they run first (see _stale)
+        # before the gradient sync's hooks, so that they run first (see _stale)
         self._hooks = [p.register_post_accumulate_grad_hook(self._stale) for _, p in named]
-        self._engine = gradient_engine(named, compression, backward_passes_per_step, True,
-                                       "crossbarrier")
-        self._engine.set_overlap(True)  # no overlap trial: crossing the barrier is overlapping
+        self.gradient_sync = for_wrapper("crossbarrier", named, compression,
+                                         backward_passes_per_step, overlap=True)
+        self.gradient_sync.set_overlap(True)  # no overlap trial: crossing the barrier is overlapping
         for module in model.modules():
             params = list(module.parameters(recurse=False))
             if any(id(p) in self._names for p in params):
@@ -139,8 +139,8 @@ class _CrossBarrier(torch.optim.Optimizer):
                 hyper[id(p)] = settings
         if set(self._names) - set(hyper):
             raise RuntimeError("a parameter left the optimizer's groups after CrossBarrier was built")
-        params = {id(p): p for _, p in self._engine._named}
-        answers = self._engine._hand_over()
+        params = {id(p): p for _, p in self.gradient_sync.named}
+        answers = self.gradient_sync.hand_over()
         for key, answer in answers.items():
             p = params[key]
             self._pending[key] = (p, answer, hyper[key])
@@ -153,12 +153,13 @@ class _CrossBarrier(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Safe while answers are pending (they no longer live in ``p.grad``); refused, as the
         optimizer's, between the backward passes of one step."""
-        self._engine.zero_grad(set_to_none)
+        self.gradient_sync.check_zero_grad()
+        self._opt.zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
         self.synchronize()
         state = self._opt.state_dict()
-        state["adtopk_ps"] = self._engine.state_dict()["adtopk_ps"]
+        state["adtopk_ps"] = self.gradient_sync.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -167,9 +168,7 @@ class _CrossBarrier(torch.optim.Optimizer):
         ours = state_dict.pop("adtopk_ps", None)
         self._opt.load_state_dict(state_dict)
         if ours is not None:
-            engine = self._engine.state_dict()
-            engine["adtopk_ps"] = ours
-            self._engine.load_state_dict(engine)
+            self.gradient_sync.load_state_dict(ours)
 
 
 def CrossBarrier(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -22,10 +22,11 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..compression import Compressor, Payload, Request, start_each
-from ..wire.checks import check_positions
-from .agreement import agree, describe
-from .optimizer import GradientCompression
+from adtopk_ps.compression import Compressor, Request, start_each
+from adtopk_ps.core.payload import Payload
+from adtopk_ps.torch.agreement import agree, describe
+from adtopk_ps.torch.gradient_compression import GradientCompression
+from adtopk_ps.wire.checks import check_positions
 
 _ALIGN = 8  # segments start at multiples of 8 bytes, so byte views reinterpret cleanly
 
@@ -53,8 +54,7 @@ class ADTopkHookState:
         sparse) and all raise :class:`.Disagreement` alike where any differs, since a rank
         that sparsified otherwise would be summed into the others silently. The model gives
         the parameters' names."""
-        self.compression = compression if isinstance(compression, GradientCompression) \
-            else GradientCompression(compression)
+        self.compression = GradientCompression.of(compression)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.compression.plan(named)
         group = process_group if process_group is not None else dist.group.WORLD

@@ -24,7 +24,7 @@ which name such a peer within seconds.
 A NaN or an infinity in any worker's tensor makes the sum non-finite, and
 every worker gets the same sum: each reads its result once to see it, alike.
 Which workers it came from each knows of itself (it reads its own tensor
-before sending it); :meth:`DenseLane.flagging_ranks` tells the others, only
+before sending it); :meth:`DenseLane.find_flagging` tells the others, only
 when a result was non-finite.
 """
 from __future__ import annotations
@@ -40,26 +40,19 @@ from typing import Callable, Iterable, Union
 import torch
 import torch.distributed as dist
 
-from ..client import PSClient
-from ..compression.select import all_finite
-from ..transport import ClusterError
-from .objects import allgather_object
-from .runtime import client
+from adtopk_ps.client.ps_client import PSClient
+from adtopk_ps.cluster.transport import ClusterError
+from adtopk_ps.compression.select import all_finite
+from adtopk_ps.core.timing import fastest, wait_for_device
+from adtopk_ps.torch.objects import allgather_object
+from adtopk_ps.torch.runtime import client
 
-TRANSPORTS = ("ps", "allreduce", "auto")
 HEALTH_CHECK_S = 0.2  # how often a wait looks at the parameter server's view of the job
 NCCL_POLL_S = 0.0002  # how often a wait asks whether NCCL's kernels have finished
 # (ProcessGroupNCCL exists only in torch's CUDA builds: the annotation is a string)
 Group = Union["dist.ProcessGroupGloo", "dist.ProcessGroupNCCL"]
 # per client, a group per gpu_key: one process may all-reduce on the CPU and on a GPU
 _groups: "weakref.WeakKeyDictionary[PSClient, dict[str | None, Group]]" = weakref.WeakKeyDictionary()
-
-
-def check_transport(transport: str) -> str:
-    """``transport`` if it is ``"ps"``, ``"allreduce"`` or ``"auto"``; anything else raises ``ValueError``."""
-    if transport not in TRANSPORTS:
-        raise ValueError(f"dense_transport must be one of {list(TRANSPORTS)}, got {transport!r}")
-    return transport
 
 
 def gpu_key(devices: Iterable[torch.device]) -> str | None:
@@ -128,8 +121,17 @@ def worker_group(devices: Iterable[torch.device] = ()) -> Group:
     return group
 
 
+def allreduce_s(group: Group, tensor: torch.Tensor, repeats: int) -> float:
+    """The fastest of ``repeats`` all-reduces of ``tensor`` on ``group`` (every worker calls
+    it alike), in seconds."""
+    def once() -> None:
+        group.allreduce([tensor]).wait()
+        wait_for_device(tensor.device)  # (NCCL's wait returns once its kernels are queued)
+    return fastest(once, repeats)
+
+
 class Reduction:
-    """A dense tensor's all-reduce: waits like a push_pull handle, answers the average."""
+    """A dense tensor's all-reduce: a :class:`~.pending.Pending` that answers the average."""
 
     def __init__(self, name: str, tensor: torch.Tensor, lane: "DenseLane"):
         self.name, self.lane = name, lane
@@ -181,6 +183,10 @@ class Reduction:
             self._averaged = True
         return self.tensor
 
+    def flagging_ranks(self) -> list[int]:
+        """The ranks whose own tensor held a NaN or an infinity (one more all-reduce)."""
+        return self.lane.find_flagging([self.local_nonfinite])[0]
+
 
 class DenseLane:
     """Starts all-reduces in ``order`` (names) on every worker, one round after another."""
@@ -198,7 +204,7 @@ class DenseLane:
         # each way (gloo does not count its bytes; this is its algorithm's figure)
         self.bytes_moved = 0
 
-    def flagging_ranks(self, local: list[bool]) -> list[list[int]]:
+    def find_flagging(self, local: list[bool]) -> list[list[int]]:
         """For tensors whose average came out non-finite (every worker lists the same ones, in
         one order, and calls this at the same point), the ranks whose own tensor held a NaN or
         an infinity, from ``local``: this worker's flags for them. None flagged: the sum itself

@@ -15,7 +15,7 @@ from typing import Iterable
 
 import torch
 
-from ..env import env_int
+from adtopk_ps.core.env import env_int
 
 DEFAULT_FUSION_BYTES = 4 << 20
 

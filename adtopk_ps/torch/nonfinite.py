@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from ..client import Handle
-from ..compression import Compressor
-from .dense_lane import Reduction
+from adtopk_ps.compression import Compressor
+from adtopk_ps.torch.pending import Pending
 
 POLICIES = ("stop", "skip")
 MAX_SKIPS_IN_A_ROW = 10  # then the parameters themselves are the likely source: no skip helps
@@ -46,17 +45,12 @@ class NonFiniteGuard:
         self.skipped = 0  # steps skipped so far
         self.in_a_row = 0  # steps skipped since the last finite one
 
-    def inspect(self, waited: list[tuple[str, Handle | Reduction]], step: int, rank: int,
+    def inspect(self, waited: list[tuple[str, Pending]], step: int, rank: int,
                 members: Callable[[str], list[str]]) -> None:
-        """Look at one step's answered handles (every worker lists the same names in one
+        """Look at one step's answered averages (every worker lists the same names in one
         order); under "stop" raise if any was non-finite. ``members``: the tensors a
         bucket's name stands for (none for a tensor)."""
-        found = {name: sorted(h.nonfinite) for name, h in waited
-                 if isinstance(h, Handle) and h.nonfinite}
-        averaged = [(name, h) for name, h in waited if isinstance(h, Reduction) and h.nonfinite]
-        if averaged:
-            ranks = averaged[0][1].lane.flagging_ranks([h.local_nonfinite for _, h in averaged])
-            found.update((name, r) for (name, _), r in zip(averaged, ranks))
+        found = {name: pending.flagging_ranks() for name, pending in waited if pending.nonfinite}
         self.found, self.step = found, step
         if not found:
             self.in_a_row = 0

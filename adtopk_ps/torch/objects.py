@@ -14,9 +14,9 @@ import pickle
 
 import torch
 
-from ..client import Agreement, Handle
-from .ops import claim, collective_name, key_name, occupy, refuse_everywhere
-from .runtime import client
+from adtopk_ps.client.handle import Agreement, Handle
+from adtopk_ps.torch.ops import claim, collective_name, key_name, occupy, refuse_everywhere
+from adtopk_ps.torch.runtime import client
 
 
 def _words(blob: bytes, length: int) -> torch.Tensor:

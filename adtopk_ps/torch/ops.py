@@ -19,7 +19,7 @@ that) is named by the order of this worker's unnamed calls of its kind, as in
 horovod. Every call is first agreed by its name across the workers (the
 scheduler's coordinator): a call whose dtype, shape, op, root or compression
 differs on one worker, or that failed on one worker's side, is refused on
-every worker with the same :class:`~adtopk_ps.client.CollectiveError`, and
+every worker with the same :class:`~adtopk_ps.client.ps_client.CollectiveError`, and
 the next call works. Its data then travels under a key made from the name,
 dtype and shape alone, never from how many calls came before it.
 """
@@ -34,13 +34,14 @@ from typing import Callable
 
 import torch
 
-from ..client import Agreement, CollectiveError, Handle, PSClient
-from ..compression import Compressor, SparsificationPolicy
-from ..coordinator import JOIN
-from ..dtypes import FLOAT_DTYPES
-from .agreement import compressor_label
-from .compression import Compression, compressor_of, is_cast
-from .runtime import client
+from adtopk_ps.client.handle import Agreement, Handle
+from adtopk_ps.client.ps_client import CollectiveError, PSClient
+from adtopk_ps.cluster.coordinator import JOIN
+from adtopk_ps.compression import Compressor, SparsificationPolicy
+from adtopk_ps.core.dtypes import FLOAT_DTYPES
+from adtopk_ps.torch.agreement import compressor_label
+from adtopk_ps.torch.compressors import Compression, compressor_of, is_cast
+from adtopk_ps.torch.runtime import client
 
 FLOATS = tuple(FLOAT_DTYPES.values())  # what travels as it is
 UNNAMED_SLOTS = 16  # data keys that unnamed calls of one kind cycle through
@@ -201,11 +202,12 @@ def _register(c: PSClient, name: str, handle: Handle,
     return ident
 
 
-def _submit(tensor: torch.Tensor, *, what: str, kind: str, average: bool | None = None,
+def submit_agreed(tensor: torch.Tensor, *, what: str, kind: str, average: bool | None = None,
             op: object = None, compression: object = None, priority: int | None = None,
             inplace: bool = False, root: int | None = None, name: str | None = None,
             full_name: str | None = None, scale: tuple[float, float] = (1.0, 1.0)) -> int:
-    """Start one agreed sum; returns its handle. ``root``: only that rank contributes (a
+    """Start one agreed sum; returns its handle (for :func:`poll` and :func:`synchronize`).
+    ``root``: only that rank contributes (a
     broadcast). ``full_name`` is used as it is; otherwise ``kind`` and ``name`` make it (see
     :func:`collective_name`). Anything wrong on this worker's side (``op``, ``average``,
     ``compression``, the tensor, ``root``) is refused on every worker
@@ -305,7 +307,7 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
                     ) -> int:
     """Start summing (or averaging) ``tensor`` over every worker; ``tensor`` is not modified.
     Returns a handle for :func:`poll` and :func:`synchronize`. ``version`` is byteps' and unused."""
-    return _submit(tensor, what="push_pull_async", average=average, compression=compression,
+    return submit_agreed(tensor, what="push_pull_async", average=average, compression=compression,
                    priority=_byteps_priority(priority), kind="byteps", name=name)
 
 
@@ -313,7 +315,7 @@ def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: st
                             version: int = 0, priority: int = 0, staleness: int = 0) -> int:
     """Like :func:`push_pull_async`, the result written into ``tensor``."""
     _no_staleness(staleness)
-    return _submit(tensor, what="push_pull_async_inplace", average=average,
+    return submit_agreed(tensor, what="push_pull_async_inplace", average=average,
                    priority=_byteps_priority(priority), inplace=True, kind="byteps", name=name)
 
 
@@ -327,7 +329,7 @@ def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | No
 
 
 @dataclass(frozen=True)
-class _Reduction:
+class _CallSpec:
     """Everything about one differentiable reduction but the tensor."""
 
     kind: str
@@ -347,8 +349,8 @@ class _Reduce(torch.autograd.Function):
     workers only would shift)."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, spec: _Reduction) -> torch.Tensor:
-        ident = _submit(tensor, what=spec.what, average=spec.average, op=spec.op,
+    def forward(ctx, tensor: torch.Tensor, spec: _CallSpec) -> torch.Tensor:
+        ident = submit_agreed(tensor, what=spec.what, average=spec.average, op=spec.op,
                         compression=spec.compression, priority=spec.priority, kind=spec.kind,
                         name=spec.name, full_name=spec.full_name, scale=spec.scale)
         ctx.spec, ctx.name = spec, _op(ident, pop=False).handle.name
@@ -361,7 +363,7 @@ class _Reduce(torch.autograd.Function):
 
 def _gradient_sum(grad: torch.Tensor, forward: str) -> torch.Tensor:
     """The sum over the workers of ``grad``, the gradient of the call named ``forward``."""
-    return synchronize(_submit(grad, what="allreduce", kind="allreduce", op=Sum,
+    return synchronize(submit_agreed(grad, what="allreduce", kind="allreduce", op=Sum,
                                full_name=f"{forward}.grad"))
 
 
@@ -377,7 +379,7 @@ def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = Non
     """
     if name is None:
         raise ValueError("push_pull needs a name: push_pull(tensor, name=...), as in byteps")
-    return _Reduce.apply(tensor, _Reduction("byteps", "push_pull", name, average, compression,
+    return _Reduce.apply(tensor, _CallSpec("byteps", "push_pull", name, average, compression,
                                             priority=_byteps_priority(priority)))
 
 
@@ -396,7 +398,7 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     op: object = None, prescale_factor: float = 1.0,
                     postscale_factor: float = 1.0) -> int:
     """Start averaging (``op=Average``, the default) or summing ``tensor`` over every worker."""
-    return _submit(tensor, what="allreduce_async", average=average, op=op, kind="allreduce",
+    return submit_agreed(tensor, what="allreduce_async", average=average, op=op, kind="allreduce",
                    name=name, scale=(prescale_factor, postscale_factor))
 
 
@@ -404,7 +406,7 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
                      op: object = None, prescale_factor: float = 1.0,
                      postscale_factor: float = 1.0) -> int:
     """Like :func:`allreduce_async`, the result written into ``tensor``."""
-    return _submit(tensor, what="allreduce_async_", average=average, op=op, inplace=True,
+    return submit_agreed(tensor, what="allreduce_async_", average=average, op=op, inplace=True,
                    kind="allreduce", name=name, scale=(prescale_factor, postscale_factor))
 
 
@@ -418,7 +420,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
 
         loss = hvd.allreduce(loss, op=hvd.Average)
     """
-    return _Reduce.apply(tensor, _Reduction("allreduce", "allreduce", name, average, compression,
+    return _Reduce.apply(tensor, _CallSpec("allreduce", "allreduce", name, average, compression,
                                             op=op, scale=(prescale_factor, postscale_factor)))
 
 
@@ -432,13 +434,13 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Start copying the root's ``tensor`` to every worker (a new tensor on each)."""
-    return _submit(tensor, what="broadcast_async", average=False, root=root_rank,
+    return submit_agreed(tensor, what="broadcast_async", average=False, root=root_rank,
                    kind="broadcast", name=name)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
     """Like :func:`broadcast_async`, the root's value written into ``tensor``."""
-    return _submit(tensor, what="broadcast_async_", average=False, root=root_rank,
+    return submit_agreed(tensor, what="broadcast_async_", average=False, root=root_rank,
                    inplace=True, kind="broadcast", name=name)
 
 

@@ -3,9 +3,9 @@
 The user keeps a plain optimizer: when ``loss.backward()`` returns, every
 gradient is already the average over the workers, so ``optimizer.step()``
 applies the same update everywhere. Gradients leave from autograd hooks as
-backward produces them, through the same engine as :func:`.DistributedOptimizer`
-(:mod:`.engine`: partial sparsification, fusion buckets, the cost model, the
-overlap trial, the start-up agreement); the pass ends by waiting for the
+backward produces them, through a :class:`~.gradient_sync.GradientSync` as
+:func:`.DistributedOptimizer`'s (partial sparsification, fusion buckets, the cost
+model, the overlap trial, the start-up agreement); the pass ends by waiting for the
 answers, from a callback the autograd engine runs once the whole backward is
 done, so parameters that got no gradient still push (zeros) as every worker
 must.
@@ -16,9 +16,9 @@ import contextlib
 
 import torch
 
-from .compression import Compression
-from .engine import gradient_engine
-from .state_broadcast import broadcast_parameters
+from adtopk_ps.torch.compressors import Compression
+from adtopk_ps.torch.gradient_sync import for_wrapper
+from adtopk_ps.torch.state_broadcast import broadcast_parameters
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -57,8 +57,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.broadcast_buffers = broadcast_buffers
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        self._engine = gradient_engine(named, compression, 1, "auto", "ddp")
-        self._prefix = self._engine._key_prefix
+        self.gradient_sync = for_wrapper("ddp", named, compression)
+        self._prefix = self.gradient_sync.key_prefix
         broadcast_parameters(module.state_dict(), root_rank=0, prefix=f"{self._prefix}state")
         self._sync = True  # False inside no_sync()
         self._queued = False  # the end-of-backward callback is queued
@@ -92,7 +92,8 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError("synchronize() inside no_sync(); leave no_sync() first")
         if self._unsynced:
             self._unsynced = False
-            self._engine.step()  # waits for every answer (pushing what the hooks have not)
+            self.gradient_sync.wait_all()  # pushing what the hooks have not
+            self.gradient_sync.finish_step(lambda: None)  # the user's optimizer steps
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -109,11 +110,9 @@ class DistributedDataParallel(torch.nn.Module):
         if not self._sync:  # nested: the outer one restores
             yield
             return
-        overlap = self._engine.overlap
-        self._engine._hook_up(False)  # the engine's hooks would push every pass
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-            self._engine._hook_up(overlap)
+        with self.gradient_sync.hooks_paused():  # they would push every pass
+            self._sync = False
+            try:
+                yield
+            finally:
+                self._sync = True

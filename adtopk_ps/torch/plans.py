@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..compression import Route
-from .dense_lane import DenseLane
-from .fusion import Bucket
+from adtopk_ps.compression import Route
+from adtopk_ps.torch.dense_lane import DenseLane
+from adtopk_ps.torch.fusion import Bucket
 
 
 class Layout(NamedTuple):

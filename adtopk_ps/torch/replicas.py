@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from .objects import allgather_object
+from adtopk_ps.torch.objects import allgather_object
 
 
 class ReplicasDiverged(RuntimeError):

@@ -16,9 +16,9 @@ import sys
 import threading
 import warnings
 
-from ..client import PSClient
-from ..cluster import ClusterConfig
-from ..env import env_int
+from adtopk_ps.client.ps_client import PSClient
+from adtopk_ps.cluster.membership import ClusterConfig
+from adtopk_ps.core.env import env_int
 
 
 class Membership:

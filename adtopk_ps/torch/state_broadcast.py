@@ -11,9 +11,9 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .objects import broadcast_object
-from .ops import _submit, refuse_everywhere, synchronize
-from .runtime import client, rank
+from adtopk_ps.torch.objects import broadcast_object
+from adtopk_ps.torch.ops import refuse_everywhere, submit_agreed, synchronize
+from adtopk_ps.torch.runtime import client, rank
 
 
 def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_rank: int = 0,
@@ -46,7 +46,7 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         "kind": "broadcast_parameters", "root": root_rank, "tensors": len(items),
         "names, shapes and dtypes (digest)": hashlib.blake2b(described, digest_size=6).hexdigest(),
     }).wait()
-    handles = [_submit(value, what=f"broadcast_parameters ({name!r})", kind="broadcast",
+    handles = [submit_agreed(value, what=f"broadcast_parameters ({name!r})", kind="broadcast",
                        average=False, root=root_rank, inplace=True, full_name=f"{prefix}.{name}")
                for name, value in items]
     for handle in handles:

@@ -25,7 +25,7 @@ import statistics
 import time
 from typing import Callable, Hashable, Sequence
 
-from ..env import env_int
+from adtopk_ps.core.env import env_int
 
 log = logging.getLogger("adtopk_ps.trial")
 WARMUP = 2  # timed steps left out before the modes take turns (the first step is never timed)

@@ -2,7 +2,7 @@
 
 - messages.py: the ops (``Op``), ``encode`` and ``decode`` of one message (a msgpack
   header, then raw buffers), and the envelope every message has.
-- payloads.py: how a compressed tensor (compression/payload.py's ``Payload``) goes into
+- frames.py: how a compressed tensor (core/payload.py's ``Payload``) goes into
   a message: its header fields and its zero-copy buffers, and ``payload_nbytes``, the
   exact bytes they come to.
 - checks.py: the checks on a payload from a peer, made before any tensor is built.
@@ -15,9 +15,9 @@ Example::
     assert msg.op == wire.Op.PUSH and msg.payload.shape == payload.shape
     wire.payload_nbytes(payload)       # the payload's share of the frames' bytes
 """
-from .messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op, WireError,
-                       decode, encode, envelope)
-from .payloads import payload_nbytes
+from adtopk_ps.wire.frames import payload_nbytes
+from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op,
+                                     WireError, decode, encode, envelope)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
            "decode", "encode", "envelope", "payload_nbytes"]

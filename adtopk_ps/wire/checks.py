@@ -13,9 +13,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..compression.payload import CODECS, Payload, PayloadError
-from ..dtypes import FLOAT_DTYPES, INDEX_DTYPES, index_dtype
-from .payloads import ROW_SETS, row_set_nbytes
+from adtopk_ps.core.dtypes import FLOAT_DTYPES, INDEX_DTYPES, index_dtype
+from adtopk_ps.core.payload import CODECS, Payload, PayloadError
+from adtopk_ps.wire.frames import ROW_SETS, row_set_nbytes
 
 _REQUIRED = {"codec": str, "shape": list, "dtype": str, "vdtype": str, "count": int}
 _OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int, "rows": int, "rowset": str}

@@ -2,7 +2,7 @@
 
 Frame 0 is a msgpack header: the envelope (protocol version, op, key, round,
 sender), then, for an op that carries a tensor, the payload's fields
-(payloads.py), then any other fields the op has; the frames after it are the
+(frames.py), then any other fields the op has; the frames after it are the
 payload's buffers. ``decode`` checks the envelope and, with checks.py, the
 payload before any tensor is built, and raises only ``WireError``.
 
@@ -18,14 +18,14 @@ from typing import Sequence
 
 import msgpack
 
-from ..compression.payload import Payload, PayloadError
-from .checks import FIELDS as _PAYLOAD_FIELDS
-from .checks import payload_from_fields
-from .payloads import payload_buffers, payload_fields
+from adtopk_ps.core.payload import Payload, PayloadError
+from adtopk_ps.wire.checks import FIELDS as _PAYLOAD_FIELDS
+from adtopk_ps.wire.checks import payload_from_fields
+from adtopk_ps.wire.frames import payload_buffers, payload_fields
 
-#: 2: seeded (random-k) payloads draw their positions with compression/seeded.py's counter hash
+#: 2: seeded (random-k) payloads draw their positions with core/seeded.py's counter hash
 #: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
-#:    third frame naming the rows carried; see payloads.py)
+#:    third frame naming the rows carried; see frames.py)
 #: 4: collectives agreed at the scheduler (negotiate, agreed, blocked, standin); register
 #:    carries the cluster's shape
 PROTOCOL = 4

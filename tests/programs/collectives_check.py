@@ -10,7 +10,7 @@ import time
 import torch
 
 import adtopk_ps.torch as hvd
-from adtopk_ps.client import CollectiveError
+from adtopk_ps.client.ps_client import CollectiveError
 
 hvd.init()
 rank, size = hvd.rank(), hvd.size()

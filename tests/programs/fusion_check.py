@@ -39,8 +39,8 @@ def main():
     params = list(model.named_parameters()) + [(f"unused.{n}", p) for n, p in unused.named_parameters()]
     opt = bps.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.05), params,
                                    fusion_bytes=int(sys.argv[1]))
-    fused = sum(len(b.members) for b in opt._buckets)
-    print(f"worker {rank}: {len(opt._buckets)} bucket(s) holding {fused} of {len(params)} tensors",
+    fused = sum(len(b.members) for b in opt.gradient_sync.buckets)
+    print(f"worker {rank}: {len(opt.gradient_sync.buckets)} bucket(s) holding {fused} of {len(params)} tensors",
           flush=True)
     for step in range(4):
         twin.load_state_dict(model.state_dict())

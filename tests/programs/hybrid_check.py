@@ -46,7 +46,7 @@ def main() -> None:
                                    model.named_parameters(), compression,
                                    overlap="auto" if args.cost else overlap, fusion_bytes=3000)
     lane = "allreduce" if compression.allreduce else "servers"
-    print(f"worker {rank}: dense via {lane}, {len(opt._buckets)} bucket(s)", flush=True)
+    print(f"worker {rank}: dense via {lane}, {len(opt.gradient_sync.buckets)} bucket(s)", flush=True)
     if compression.costs is not None:
         print(f"worker {rank}: measured {compression.costs.bytes_per_s / 1e6:.3f} MB/s through the "
               f"servers, {compression.allreduce_bytes_per_s / 1e6:.3f} MB/s by all-reduce", flush=True)
@@ -65,11 +65,11 @@ def main() -> None:
         digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
         print(f"worker {rank}: step {step} {digest.hexdigest()[:16]} overlap={overlap} "
               f"dense={dense} choosing={opt.choosing}", flush=True)
-    if opt._trial is not None and opt._trial.choice is not None:
+    if opt.gradient_sync.trial is not None and opt.gradient_sync.trial.choice is not None:
         def mode(m):  # (overlap, 1 where every tensor goes dense)
             return f"({m.overlap}, {int(m.plan.every_dense)})"
-        medians = " ".join(f"{mode(m)}={t:.6f}" for m, t in zip(opt._trial.modes, opt._trial.medians))
-        print(f"worker {rank}: trial medians {medians} chose {mode(opt._trial.choice)}", flush=True)
+        medians = " ".join(f"{mode(m)}={t:.6f}" for m, t in zip(opt.gradient_sync.trial.modes, opt.gradient_sync.trial.medians))
+        print(f"worker {rank}: trial medians {medians} chose {mode(opt.gradient_sync.trial.choice)}", flush=True)
     bps.shutdown()
 
 

@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from adtopk_ps.compression import seeded
+from adtopk_ps.core import seeded
 
 os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is built, on first use
 

@@ -15,12 +15,12 @@ import uuid
 
 import zmq
 
-from . import wire
-from .cluster import ClusterConfig
-from .env import env_int
-from .liveness import PeerWatch
-from .security import Security, keys_from_env
-from .wire import Op
+from adtopk_ps import wire
+from adtopk_ps.cluster.liveness import PeerWatch
+from adtopk_ps.cluster.membership import ClusterConfig
+from adtopk_ps.cluster.security import Security, keys_from_env
+from adtopk_ps.core.env import env_int
+from adtopk_ps.wire import Op
 
 log = logging.getLogger("adtopk_ps")
 

@@ -4,7 +4,7 @@ A payload holds its codec, the shape and dtype of the tensor it stands for, and
 the values (and positions) it carries. The same ``accumulate_into`` serves
 decompression, error feedback and server-side aggregation. How a payload goes
 on the wire, and the checks on one that came from a peer, are the wire
-package's (adtopk_ps/wire/payloads.py and checks.py).
+package's (adtopk_ps/wire/frames.py and checks.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .seeded import seeded_indices
+from adtopk_ps.core.seeded import seeded_indices
 
 #: Codecs a payload may carry.
 #:  dense  - every element, in order
@@ -21,7 +21,7 @@ from .seeded import seeded_indices
 #:           are positions along axis 1 of ``view`` (ADTopk). Where some rows
 #:           ``view[0]`` selected only zeros (dead units), ``rows`` lists the rows
 #:           carried and the shape is ``[rows, k, *view[2:]]`` (on the wire, a third
-#:           frame names them: see adtopk_ps/wire/payloads.py)
+#:           frame names them: see adtopk_ps/wire/frames.py)
 #:  coo    - flat positions into the tensor and their values
 #:  seeded - values only; positions are regenerated from ``seed`` (random-k, see seeded.py)
 CODECS = ("dense", "fibre", "coo", "seeded")

@@ -13,10 +13,11 @@ from typing import Mapping
 
 import torch
 
-from ..compression import (COMPRESSORS, Compressor, Dense, Payload, SparsificationPolicy,
-                           create, parameters)
-from ..compression.select import all_finite
-from ..dtypes import FLOAT_DTYPES
+from adtopk_ps.compression import (COMPRESSORS, Compressor, Dense, SparsificationPolicy, create,
+                                   parameters)
+from adtopk_ps.compression.select import all_finite
+from adtopk_ps.core.dtypes import FLOAT_DTYPES
+from adtopk_ps.core.payload import Payload
 
 
 class FP16(Dense):

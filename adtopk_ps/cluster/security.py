@@ -21,7 +21,7 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from .env import EnvError
+from adtopk_ps.core.env import EnvError
 
 KEY_NAME = "cluster"
 

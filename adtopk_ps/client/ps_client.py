@@ -1,8 +1,8 @@
 """The worker's side of the parameter server (ps-lite's KVWorker): the caller's API.
 
-``push_pull`` returns at once with a handle; the engine thread (client_engine.py)
+``push_pull`` returns at once with a handle; the engine thread (engine.py)
 compresses, sends and collects the answers. ``declare`` gives a tensor its key
-layout (cluster.py's ``KeyLayout``), whose keys come from the tensor's name,
+layout (cluster/membership.py's ``KeyLayout``), whose keys come from the tensor's name,
 dtype and shape alone.
 
 ``collective`` is the other way in, for calls that the workers' code may make
@@ -14,137 +14,32 @@ every worker, with the same error.
 from __future__ import annotations
 
 import re
-import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import zmq
 
-from . import wire
-from .client_engine import Engine, PushPullError
-from .cluster import ClusterConfig, KeyLayout, name_id
-from .compression import Compressor, Dense
-from .dtypes import FLOAT_DTYPES
-from .env import env_int
-from .transport import ClusterError, security
+from adtopk_ps import wire
+from adtopk_ps.client.engine import Engine
+from adtopk_ps.client.handle import Agreement, Handle
+from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, name_id
+from adtopk_ps.cluster.transport import ClusterError, security
+from adtopk_ps.compression import Compressor, Dense
+from adtopk_ps.core.dtypes import FLOAT_DTYPES
+from adtopk_ps.core.env import env_int
+from adtopk_ps.core.timing import fastest
 
 WIRE_FLOATS = tuple(FLOAT_DTYPES.values())  # the dtypes a push carries
 PRUNE_AT = 1024  # collectives remembered by name before the finished ones are dropped
 _UNNAMED = re.compile(r"^(.*)\.noname\.(\d+)$")
 
-__all__ = ["Agreement", "CollectiveError", "Handle", "PSClient", "PushPullError"]
+__all__ = ["CollectiveError", "PSClient"]
 
 
 class CollectiveError(RuntimeError):
     """A collective refused on every worker alike: the workers' calls differ, one worker's
     side failed, a worker finished or waits elsewhere, or one joined. The job goes on."""
-
-
-@dataclass(frozen=True)
-class Agreement:
-    """What the scheduler agreed for a collective: every worker's own part of its request
-    (by rank), the joined workers standing in with zeros, and the last worker to ask."""
-
-    own: dict[int, object]
-    standins: list[int]
-    last: int
-
-
-class Handle:
-    """The pending result of one ``push_pull``."""
-
-    def __init__(self, client: "PSClient", name: str, out: torch.Tensor, parts: int, average: bool,
-                 out_given: bool = False):
-        self.name, self.out, self.out_given = name, out, out_given
-        self.divisor = client.size if average else 1
-        self._client = client
-        self.parts = self._left = parts
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self.completed_at: float | None = None  # time.monotonic() when the answer was complete
-        # ranks whose push of this tensor held a NaN or an infinity (the servers' answers say,
-        # alike on every worker): the result is not to be trusted
-        self.nonfinite: set[int] = set()
-        self.reqid: int | None = None  # a collective's request, until the scheduler answers it
-        self.agreement: Agreement | None = None
-
-    def begin(self, out: torch.Tensor, parts: int, divisor: int, out_given: bool) -> None:
-        """An agreed collective's push starts: its answer goes to ``out`` in ``parts`` keys."""
-        self.out, self.parts, self._left = out, parts, parts
-        self.divisor, self.out_given = divisor, out_given
-
-    def complete(self, value: object = None) -> None:
-        """Complete the handle with ``value`` and no push (a barrier, a join)."""
-        self.out = value
-        self.completed_at = time.monotonic()
-        self._event.set()
-
-    def done(self) -> bool:
-        """Whether the answer is complete (or the push failed); never blocks."""
-        return self._event.is_set()
-
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`done` or ``timeout`` passed: whether it is done. Unlike
-        :meth:`wait`, neither a failure nor the timeout raises."""
-        return self._event.wait(timeout)
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """The averaged (or summed) result; raises if the job failed or ``timeout`` passed."""
-        timeout = self._client.timeout if timeout is None else timeout
-        if self.reqid is not None and not self._event.is_set():
-            self._wait_agreed(timeout)
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"push_pull of {self.name!r} not answered within {timeout:.1f} s")
-        if self._error is not None:
-            raise self._error
-        return self.out
-
-    def settle(self, timeout: float | None = None) -> None:
-        """Wait as :meth:`wait` does (telling the scheduler while the call is not agreed), but
-        raise nothing: whoever holds the handle reads its outcome."""
-        try:
-            self.wait(timeout)
-        except Exception:  # noqa: BLE001 - the outcome is the holder's to read
-            pass
-
-    def _wait_agreed(self, timeout: float) -> None:
-        """Wait for the scheduler's answer, having told it that this worker waits (so that a
-        call no other worker will make is refused rather than waited for). A wait that times
-        out gives the call up, on every worker that made it; one interrupted (Ctrl-C) says
-        it no longer waits."""
-        reqid, engine = self.reqid, self._client.engine
-        if reqid is None:
-            return
-        engine.blocked(reqid, True)
-        try:
-            finished = self._event.wait(timeout)
-        except BaseException:  # interrupted (Ctrl-C): the call stays, this worker no longer waits
-            if self.reqid is not None:
-                engine.blocked(reqid, False)
-            raise
-        if not finished and self.reqid is not None:
-            engine.blocked(reqid, False, withdraw=True)
-            error = TimeoutError(f"{self.name!r} not agreed by every worker within "
-                                 f"{timeout:.1f} s; given up on every worker that made it")
-            self.fail(error)
-            raise error
-
-    def part_done(self) -> None:
-        """One partition's answer is in ``out`` (the engine calls this): the last completes
-        the handle."""
-        self._left -= 1
-        if self._left == 0:
-            self.completed_at = time.monotonic()
-            self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        """Complete the handle with ``error``, which :meth:`wait` raises (the engine calls
-        this); a handle already complete keeps its outcome."""
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
 
 
 class PSClient:
@@ -291,6 +186,17 @@ class PSClient:
         self._engine.submit(self._priority(key_name, priority), handle, tensor.detach(), layout,
                             compressor or Dense(), step, None)
 
+    def round_trip_s(self, probe: torch.Tensor, name: str, repeats: int) -> float:
+        """The fastest of ``repeats`` push_pull round trips of ``probe`` under ``name``, in
+        seconds (the first, which declares the key and connects, is the slow one the minimum
+        leaves out); every worker calls it alike.
+
+        Example::
+
+            link_s = client.round_trip_s(torch.zeros(1 << 20), "cost-model.link", 3)
+        """
+        return fastest(lambda: self.push_pull(probe, name, average=False).wait(), repeats)
+
     def unnamed_name(self, kind: str) -> str:
         """The name of this worker's next unnamed collective of ``kind`` (horovod's rule: by
         order, so every worker must make its unnamed calls in one order)."""
@@ -386,7 +292,7 @@ def _check_pushable(name: str, tensor: object) -> None:
 
 
 class _Collective:
-    """A collective waiting for the scheduler's answer (client_engine's ``Negotiation``)."""
+    """A collective waiting for the scheduler's answer (engine.py's ``Negotiation``)."""
 
     def __init__(self, handle: Handle, start: Callable[[Agreement, Handle], None] | None):
         self.handle, self.start = handle, start

@@ -1,5 +1,5 @@
 """The worker's engine thread: the queue, the sends and the answers (ps-lite's Van under
-a KVWorker; the caller's side is client.py).
+a KVWorker; the caller's side is ps_client.py).
 
 One background thread owns every socket: it takes every tensor queued at once
 as one batch in priority order (later layers, whose gradients the backward pass
@@ -23,23 +23,22 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol
 
 import torch
 import zmq
 
-from . import wire
-from .cluster import ClusterConfig, KeyLayout, part_name, server_of, split
-from .compression import Compressor, Request, start_each
-from .env import env_int
-from .liveness import PeerWatch
-from .transport import ClusterError, SchedulerLink, drain, make_socket, register_timeout, send
-from .wire import Op
+from adtopk_ps import wire
+from adtopk_ps.client.handle import Handle
+from adtopk_ps.cluster.liveness import PeerWatch
+from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
+from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
+                                         register_timeout, send)
+from adtopk_ps.compression import Compressor, Request, start_each
+from adtopk_ps.core.env import env_int
+from adtopk_ps.wire import Op
 
-if TYPE_CHECKING:
-    from .client import Handle
-
-log = logging.getLogger("adtopk_ps.client")
+log = logging.getLogger("adtopk_ps.client.ps_client")
 FLUSH_MS = 2000  # how long closing waits for queued messages after a clean finish
 KEEP_ALIVE_KEYS = 256  # keys sent between two heartbeat checks while one tensor is sent
 
@@ -367,7 +366,7 @@ class Engine:
         if flagged and flagged[-1] >= self.size:
             raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "
                                f"beyond the {self.size} workers")
-        handle.nonfinite.update(flagged)
+        handle.flagged.update(flagged)
         if handle.parts == 1 and not handle.out_given and payload.codec == "dense" \
                 and payload.values.dtype == handle.out.dtype and handle.out.device.type == "cpu":
             handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy

@@ -13,11 +13,11 @@ import msgpack
 import numpy as np
 import torch
 
-from ..compression.payload import PayloadError
-from ..dtypes import WIRE_DTYPES, index_dtype, wire_name
+from adtopk_ps.core.dtypes import WIRE_DTYPES, index_dtype, wire_name
+from adtopk_ps.core.payload import PayloadError
 
 if TYPE_CHECKING:
-    from ..compression.payload import Payload
+    from adtopk_ps.core.payload import Payload
 
 #: How a fibre payload's third frame names the rows it carries, whichever is smaller:
 #:  bitmap - ceil(view[0] / 8) bytes, row r at bit r % 8 (least significant first) of

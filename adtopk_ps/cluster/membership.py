@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Mapping
 if TYPE_CHECKING:
     import torch
 
-from .env import EnvError, env_int
-from .stop import stop_quietly_on_signals
+from adtopk_ps.cluster.stop import stop_quietly_on_signals
+from adtopk_ps.core.env import EnvError, env_int
 
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000

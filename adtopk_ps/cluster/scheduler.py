@@ -8,7 +8,7 @@ silent (it hangs) tells everyone which one, so the job ends with a clear
 error instead of a hang. When every worker has finished it tells the
 servers to shut down and exits 0.
 
-    DMLC_ROLE=scheduler ... python -m adtopk_ps.scheduler
+    DMLC_ROLE=scheduler ... python -m adtopk_ps.cluster.scheduler
 """
 from __future__ import annotations
 
@@ -20,15 +20,16 @@ from dataclasses import dataclass
 
 import zmq
 
-from . import wire
-from .cluster import ClusterConfig, start_role
-from .coordinator import Coordinator, Outgoing
-from .env import EnvError, env_int
-from .liveness import RECONNECT_GRACE, ConnectionTable
-from .transport import WAIT_NOTICE_S, drain, exit_status, make_socket, register_timeout, send
-from .wire import Op
+from adtopk_ps import wire
+from adtopk_ps.cluster.coordinator import Coordinator, Outgoing
+from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
+from adtopk_ps.cluster.membership import ClusterConfig, start_role
+from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make_socket,
+                                         register_timeout, send)
+from adtopk_ps.core.env import EnvError, env_int
+from adtopk_ps.wire import Op
 
-log = logging.getLogger("adtopk_ps.scheduler")
+log = logging.getLogger("adtopk_ps.cluster.scheduler")
 
 
 @dataclass
