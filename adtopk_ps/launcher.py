@@ -122,6 +122,8 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     })
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
+    elastic = bool(base.get("PS_MIN_WORKERS", "").strip()) and \
+        env_int("PS_MIN_WORKERS", minimum=1, environ=base) < num_workers
     lock = threading.Lock()
     formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
     children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
@@ -135,7 +137,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
                  for i in range(num_workers)]
     try:
         return supervise(children, grace, timeout, workers=children[-num_workers:],
-                         formed=formed.exists)
+                         formed=formed.exists, elastic=elastic)
     finally:
         shutil.rmtree(formed.parent, ignore_errors=True)
 
@@ -145,7 +147,8 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 
 
 def supervise(children: list[Child], grace: float, timeout: float | None,
-              workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None) -> int:
+              workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
+              elastic: bool = False) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
 
@@ -159,8 +162,12 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     what they saw), unless it was a usage error (status 2): then they are stopped at once,
     as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
     then SIGKILL after ``STOP_GRACE`` seconds.
+
+    ``elastic`` (``PS_MIN_WORKERS``): a worker that dies after the cluster formed is no
+    failure; the scheduler decides whether the job goes on without it, and its status, and
+    the servers', say how the job ended.
     """
-    job = _Supervision(children, grace, timeout)
+    job = _Supervision(children, grace, timeout, workers if elastic else (), formed)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -197,8 +204,10 @@ class _Supervision:
     of exit, status), and when the rest are stopped: SIGKILL once the grace after a failure is
     over (``stop_at``), or SIGTERM (``term_at``) then SIGKILL (``kill_at``)."""
 
-    def __init__(self, children: list[Child], grace: float, timeout: float | None):
+    def __init__(self, children: list[Child], grace: float, timeout: float | None,
+                 spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None):
         self.children, self.grace, self.timeout = children, grace, timeout
+        self.spare, self.formed = [id(c) for c in spare], formed  # workers the job can lose
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.seen: set[int] = set()
         self.failures: list[tuple[float, int]] = []
@@ -217,6 +226,11 @@ class _Supervision:
             self.seen.add(id(child))
             if child.code == 0 or self.term_at is not None:
                 continue  # after bpslaunch stops the job, a status is its doing
+            if id(child) in self.spare and self.formed is not None and self.formed():
+                print(f"[bpslaunch] {child.label} exited with status {child.code}; an elastic "
+                      f"job (PS_MIN_WORKERS): the scheduler decides whether it goes on",
+                      file=sys.stderr, flush=True)
+                continue
             self.failures.append((child.ended_at, child.code))
             if len(self.failures) == 1:
                 self._first_failure(child, now)
@@ -347,6 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--num-servers", type=int, default=1, help="with --local (default 1)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="with --local: stop the job after this many seconds (status 124)")
+    ap.add_argument("--min-workers", type=int, default=None,
+                    help="with --local: an elastic job (PS_MIN_WORKERS) that goes on without a "
+                         "lost worker while this many remain; a worker's death is then no "
+                         "failure of the job")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -356,7 +374,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise EnvError("--num-workers and --num-servers must be at least 1")
             if not command:
                 raise EnvError("--local needs the worker command after --")
-            return run_local(args.num_workers, args.num_servers, command, args.timeout)
+            if args.min_workers is not None and not 1 <= args.min_workers <= args.num_workers:
+                raise EnvError(f"--min-workers must be between 1 and --num-workers "
+                               f"({args.num_workers}), got {args.min_workers}")
+            environ = None if args.min_workers is None else \
+                {**os.environ, "PS_MIN_WORKERS": str(args.min_workers)}
+            return run_local(args.num_workers, args.num_servers, command, args.timeout, environ)
         return run_role(command)
     except EnvError as exc:
         print(f"bpslaunch: {exc}", file=sys.stderr)

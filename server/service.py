@@ -69,6 +69,7 @@ class Server:
         self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=config)
         self.port = self.data.bind_to_random_port("tcp://*")
         self.link = SchedulerLink(self.ctx, config)
+        self.resparsify = resparsify
         self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
         self.waiting: dict[int, list[bytes]] = {}
         self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
@@ -77,6 +78,9 @@ class Server:
         self.rejected = 0
         self.stalls = StallWatch.from_env()
         self._stalls_checked = 0.0  # when check_stalls last looked (once a heartbeat interval)
+        self.workers = config.num_workers  # in the job now (elastic jobs re-form with fewer)
+        self.epoch = 0  # the membership's: pushes of an older one are dropped
+        self.early: list[tuple[bytes, list]] = []  # pushes of a newer one, until it is told
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
@@ -91,7 +95,9 @@ class Server:
             while not self.link.shutdown:
                 for sock, _ in poller.poll(tick_ms):
                     if sock is self.link.sock:
-                        self.link.handle(self.link.sock.recv_multipart(copy=False))
+                        msg = self.link.handle(self.link.sock.recv_multipart(copy=False))
+                        if msg.op == Op.RESHAPE:
+                            self.reshape(msg.extra["epoch"], msg.extra["num_workers"])
                     elif sock is self.data:
                         for identity, *frames in drain(self.data):
                             self.on_push(identity.bytes, frames)
@@ -118,6 +124,14 @@ class Server:
             key, rnd = msg.key, msg.round
             if msg.op not in (Op.PUSH, Op.FINISH):
                 raise PushRejected(f"op {msg.op.value!r} is not served here; send push or finish")
+            epoch = msg.extra.get("epoch", 0)
+            if epoch != self.epoch:  # an abandoned round (dropped), or one of the next membership
+                if epoch > self.epoch + 1 or len(self.early) >= self.limits.max_keys:
+                    raise PushRejected(f"epoch {epoch} is not the next after this server's "
+                                       f"{self.epoch}, or too many pushes came before it")
+                if epoch > self.epoch:
+                    self.early.append((identity, frames))
+                return
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
             if msg.op == Op.FINISH:
@@ -132,7 +146,8 @@ class Server:
                 key, rnd = wire.envelope(frames)
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
-            send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc)), identity)
+            send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc),
+                                        **self._epoch()), identity)
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
@@ -142,9 +157,30 @@ class Server:
         self.stalls.end(msg.key)
         flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
         frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
-                                 **({"nonfinite": flagged} if flagged else {}))
+                                 **({"nonfinite": flagged} if flagged else {}), **self._epoch())
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
+
+    def _epoch(self) -> dict:
+        """The header field that tags a message with the membership (none before any re-form,
+        so a job that never re-forms sends what it always sent)."""
+        return {"epoch": self.epoch} if self.epoch else {}
+
+    def reshape(self, epoch: int, workers: int) -> None:
+        """The workers changed (an elastic job re-formed): every round in progress is of the
+        old membership, so all of it goes (the workers abandon those rounds and go back to
+        their last committed state), and the pushes of the new one that came early are
+        served now."""
+        log.warning("server %d: the job re-formed with %d worker(s) (epoch %d); %d round(s) in "
+                    "progress dropped", self.link.rank, workers, epoch, len(self.waiting))
+        self.epoch, self.workers = epoch, workers
+        self.aggregator = Aggregator(workers, self.resparsify, self.limits.max_keys,
+                                     self.limits.max_bytes)
+        self.waiting, self.senders, self.finished, self.dead = {}, {}, set(), {}
+        self.stalls = StallWatch.from_env()
+        early, self.early = self.early, []
+        for identity, frames in early:
+            self.on_push(identity, frames)
 
     def on_finish(self, rank: int, identity: bytes) -> None:
         """A worker's finish comes behind its last push on the same connection: from here on,
@@ -170,7 +206,8 @@ class Server:
         log.error("%s", reason)
         self.stalls.end(key)
         for peer in self.waiting.pop(key, []):
-            send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason), peer)
+            send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason,
+                                        **self._epoch()), peer)
 
 
     def check_stalls(self) -> None:
@@ -182,7 +219,7 @@ class Server:
         self._stalls_checked = now
 
         def missing(key: int) -> list[int]:
-            return sorted(set(range(self.config.num_workers)) - self.aggregator.keys[key].pushed)
+            return sorted(set(range(self.workers)) - self.aggregator.keys[key].pushed)
         warn, abort = self.stalls.check(now, missing)
         for stall, ending in [(s, False) for s in warn] + [(s, True) for s in abort]:
             fields = {"keys": stall.keys[:64], "rounds": len(stall.keys),
@@ -195,7 +232,7 @@ class Server:
             if not ending:  # once to every worker that waits in one of these rounds
                 peers = {peer for key in stall.keys for peer in self.waiting.get(key, [])}
                 for peer in peers:
-                    send(self.data, wire.encode(Op.STALL, **fields), peer)
+                    send(self.data, wire.encode(Op.STALL, **fields, **self._epoch()), peer)
         for stall in abort:  # told once: the scheduler ends the job
             for key in stall.keys:
                 self.stalls.end(key)

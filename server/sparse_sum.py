@@ -23,7 +23,8 @@ except ImportError:  # built without a C compiler: the aggregator's torch path d
 
 def applies_to(buffer: torch.Tensor) -> bool:
     """Whether this path can sum into ``buffer`` (and take its sums back)."""
-    return (_sparse_sum is not None and buffer.dtype == torch.float32
+    # (an extension built from an older source lacks the function: the torch path serves)
+    return (hasattr(_sparse_sum, "take_nonzero") and buffer.dtype == torch.float32
             and buffer.device.type == "cpu" and buffer.is_contiguous())
 
 

@@ -112,6 +112,17 @@ def test_server_killed_mid_round_ends_the_job_naming_it():
     _ended_on_their_own(job)
 
 
+def test_server_killed_ends_even_an_elastic_job_naming_it():
+    # an elastic job re-forms without a lost worker; a lost server's keys have nowhere to go
+    job = _kill_mid_round(r"\[server 0\] .* serving on port (?=\d+ \(pid (\d+)\))(\d+)",
+                          env={**DEFAULTS, "PS_MIN_WORKERS": "2"})
+    assert job.status == 137, job.out[-3000:]
+    assert "re-forms without a lost worker, not a lost server" in job.out or \
+        "cannot reach server 0" in job.out, job.out[-3000:]
+    assert "going on with" not in job.out, job.out[-3000:]
+    _ended_on_their_own(job)
+
+
 def test_scheduler_killed_ends_every_role_naming_it():
     job = _kill_mid_round(r"\[scheduler\] .* listening on port .* \(pid (\d+)\)")
     assert job.status == 137, job.out[-3000:]

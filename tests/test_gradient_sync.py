@@ -22,8 +22,8 @@ def params(*names: str) -> list[tuple[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("named, settings, message", [
     (params("a", "b", "a"), {}, r"named twice: \['a'\]"),
-    (params("a"), {"backward_passes_per_step": 0}, "backward_passes_per_step must be >= 1"),
-    (params("a"), {"backward_passes_per_step": True}, "backward_passes_per_step must be >= 1"),
+    (params("a"), {"backward_passes_per_step": 0}, "backward_passes_per_step must be an integer >= 1"),
+    (params("a"), {"backward_passes_per_step": True}, "must be an integer >= 1, got True"),
     (params("a"), {"overlap": "sometimes"}, "overlap must be True, False or 'auto'"),
 ])
 def test_bad_settings_are_refused_before_anything_is_pushed(named, settings, message):

@@ -38,7 +38,7 @@ from adtopk_ps.compression import Compressor, Request, start_each
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
 
-log = logging.getLogger("adtopk_ps.client.ps_client")
+log = logging.getLogger("adtopk_ps.client")
 FLUSH_MS = 2000  # how long closing waits for queued messages after a clean finish
 KEEP_ALIVE_KEYS = 256  # keys sent between two heartbeat checks while one tensor is sent
 
@@ -59,6 +59,13 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
 
 class PushPullError(RuntimeError):
     """A server refused one of this worker's pushes."""
+
+
+class MembershipChanged(RuntimeError):
+    """The workers changed (an elastic job re-formed without a lost worker): every push and
+    collective in flight was abandoned, and every call fails with this until the caller
+    acknowledges it (:meth:`~adtopk_ps.client.ps_client.PSClient.acknowledge_membership`),
+    having gone back to its last committed state (``adtopk_ps.torch.elastic``)."""
 
 
 class Negotiation(Protocol):
@@ -106,6 +113,9 @@ class Engine:
         self.compress_seconds = 0.0
         self.error: BaseException | None = None  # what ended the engine, if anything did
         self.rounds: dict[int, int] = {}  # the next round of each key
+        self.epoch = 0  # the membership's (elastic jobs): pushes and answers carry it
+        # the last re-form's error, until the caller acknowledges it: every call raises it
+        self.changed: MembershipChanged | None = None
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: list[Job] = []  # between the queue and the wire
@@ -260,7 +270,7 @@ class Engine:
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
-                    marker = wire.encode(Op.FINISH, sender=self.rank)
+                    marker = wire.encode(Op.FINISH, sender=self.rank, **self._epoch())
                     for sock in servers:
                         send(sock, marker)
                     link.finish(fields["failed"], fields["status"])
@@ -281,6 +291,32 @@ class Engine:
             answered.answered(msg)
         elif msg.op == Op.STANDIN and self.on_standin is not None:
             self.on_standin(msg.extra)
+        elif msg.op == Op.RESHAPE:
+            self._reshape(msg.extra)
+
+    def _reshape(self, x: dict) -> None:
+        """The job re-formed: this worker's new rank and the number of workers; every push,
+        queued tensor and collective of the old membership fails with
+        :class:`MembershipChanged`, and every key's rounds start again at 0."""
+        error = MembershipChanged(
+            f"{x.get('lost', 'a worker was lost')}; the job goes on with {x['num_workers']} "
+            f"worker(s), this one now rank {x['rank']} (epoch {x['epoch']}): go back to the last "
+            f"committed state")
+        with self.lock:
+            jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
+            calls, self._agreements = list(self._agreements.values()), {}
+            self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
+            self.changed = error
+        parts = [p for waiting in self._inflight.values() for p in waiting]
+        self._inflight.clear()
+        self.rounds.clear()
+        log.warning("worker %d: %s", self.rank, error)
+        for job in jobs:
+            job.handle.fail(error)
+        for part in parts:
+            part.handle.fail(error)
+        for call in calls:
+            call.fail(error)
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
         """Raise when a server's connection closed for good, or never opened within the
@@ -323,9 +359,12 @@ class Engine:
         payloads = start_each([(job.compressor, Request(part, pname, job.step, job.ratio))
                                for job, pname, part, _, _ in parts])
         self.compress_seconds += time.perf_counter() - started
+        epoch = self.epoch
         for count, (job, pname, _, out, key) in enumerate(parts):
             if count % KEEP_ALIVE_KEYS == KEEP_ALIVE_KEYS - 1:
                 self._keep_alive()  # heartbeats go on while a long batch is sent
+                if self.epoch != epoch:
+                    return  # the job re-formed meanwhile: the rest of the batch is abandoned
             started = time.perf_counter()
             payload = next(payloads)
             self.compress_seconds += time.perf_counter() - started
@@ -333,7 +372,7 @@ class Engine:
             self.rounds[key] = rnd + 1
             flag = {"nonfinite": True} if payload.nonfinite else {}
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
-                                 **flag)
+                                 **flag, **self._epoch())
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname))
@@ -345,6 +384,8 @@ class Engine:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        if msg.extra.get("epoch", 0) != self.epoch:
+            return  # an answer of the old membership's, whose rounds this worker abandoned
         if msg.op == Op.STALL:
             return self._on_stall(server, msg)
         waiting = self._inflight.get(msg.key)
@@ -388,6 +429,10 @@ class Engine:
                     "which pushed nothing for them; tensors: %s%s", self.rank, x.get("rounds"),
                     server, x.get("seconds", 0), x.get("missing"), ", ".join(names[:8]),
                     " ..." if len(names) > 8 else "")
+
+    def _epoch(self) -> dict:
+        """The header field that tags a push with the membership (none before any re-form)."""
+        return {"epoch": self.epoch} if self.epoch else {}
 
     def _fail_all(self, error: BaseException) -> None:
         with self.lock:

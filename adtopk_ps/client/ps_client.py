@@ -51,7 +51,6 @@ class PSClient:
         self.ctx = ctx or zmq.Context.instance()
         # a bad PS_CURVE_KEYS fails here, naming the variable
         self.encrypted = security(self.ctx).keys is not None
-        self.size = self.config.num_workers
         self._layouts: dict[tuple, KeyLayout] = {}  # by name, dtype and shape
         self._order: dict[str, int] = {}  # names in the order first declared: later goes first
         self._steps: dict[str, int] = {}
@@ -231,12 +230,35 @@ class PSClient:
         self._closed = True
         self._engine.stop(timeout, failed, status)
 
+    @property
+    def size(self) -> int:
+        """The number of workers in the job now (fewer after an elastic re-form)."""
+        return self._engine.size
+
     def check(self) -> None:
-        """Raise what ended this worker's part in the job (a lost peer, a refused push), if any."""
+        """Raise what ended this worker's part in the job (a lost peer, a refused push), if
+        any, or the re-form of an elastic job that the caller has not acknowledged."""
         if self._engine.error is not None:
             raise self._engine.error
+        if self._engine.changed is not None:
+            raise self._engine.changed
         if self._closed:
             raise ClusterError("the parameter-server client has been shut down")
+
+    @property
+    def epoch(self) -> int:
+        """How many times the job has re-formed (elastic jobs)."""
+        return self._engine.epoch
+
+    def acknowledge_membership(self) -> None:
+        """The caller has gone back to its last committed state after
+        :class:`~adtopk_ps.client.engine.MembershipChanged`: calls go through again, among
+        the new membership."""
+        with self._engine.lock:
+            self._engine.changed = None
+        self._last.clear()
+        self._collectives.clear()
+        self._unnamed.clear()  # every survivor numbers its unnamed collectives afresh, alike
 
     def quiesce(self, timeout: float | None = None) -> None:
         """Wait until every push_pull started so far has its answer (or has failed: its own

@@ -46,6 +46,14 @@ class ClusterConfig:
     heartbeat_timeout: float
     partition_bytes: int
     verbose: int | None  # PS_VERBOSE; None where unset
+    # PS_MIN_WORKERS: below num_workers the job is elastic, re-forming without a lost worker
+    # while at least this many remain
+    min_workers: int | None = None
+
+    @property
+    def elastic(self) -> bool:
+        """Whether a lost worker leaves the job going with the rest (``PS_MIN_WORKERS``)."""
+        return self.min_workers is not None and self.min_workers < self.num_workers
 
     @property
     def scheduler_address(self) -> str:
@@ -80,6 +88,12 @@ class ClusterConfig:
                 raise EnvError(f"environment variable BYTEPS_LOCAL_RANK={local_rank} must be below "
                                f"BYTEPS_LOCAL_SIZE={local_size}")
             worker_id = host_id * local_size + local_rank
+        min_workers = None
+        if env.get("PS_MIN_WORKERS", "").strip():
+            min_workers = env_int("PS_MIN_WORKERS", minimum=1, environ=env)
+            if min_workers > num_workers:
+                raise EnvError(f"environment variable PS_MIN_WORKERS={min_workers} must not be "
+                               f"above the {num_workers} workers (DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)")
         hb_ms = env_int("PS_HEARTBEAT_INTERVAL_MS", 500, minimum=10, environ=env)
         timeout_ms = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, minimum=2 * hb_ms, environ=env)
         return cls(
@@ -96,6 +110,7 @@ class ClusterConfig:
                                     environ=env),
             verbose=env_int("PS_VERBOSE", minimum=0, environ=env)
             if env.get("PS_VERBOSE", "").strip() else None,
+            min_workers=min_workers,
         )
 
     def apply_verbosity(self) -> None:

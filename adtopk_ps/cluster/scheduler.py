@@ -5,7 +5,11 @@ every node its rank and the servers' addresses, agrees every collective by
 name before its data moves (coordinator.py), answers heartbeats, and
 when a node's connection closes (it crashed or was killed) or it goes
 silent (it hangs) tells everyone which one, so the job ends with a clear
-error instead of a hang. When every worker has finished it tells the
+error instead of a hang. In an elastic job (``PS_MIN_WORKERS`` below the
+workers) a lost worker instead re-forms the job without it: a new epoch,
+the survivors renumbered 0..W-2, told to every node at once (``reshape``),
+so that servers drop the rounds of the old membership and workers go back to
+their last committed state. When every worker has finished it tells the
 servers to shut down and exits 0.
 
     DMLC_ROLE=scheduler ... python -m adtopk_ps.cluster.scheduler
@@ -29,7 +33,7 @@ from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make
 from adtopk_ps.core.env import EnvError, env_int
 from adtopk_ps.wire import Op
 
-log = logging.getLogger("adtopk_ps.cluster.scheduler")
+log = logging.getLogger("adtopk_ps.scheduler")
 
 
 @dataclass
@@ -72,8 +76,10 @@ class Scheduler:
         self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
         self.failures: list[str] = []  # workers whose processes ended on an error
         self.status = 1  # the exit status of the first of them: the job's
-        self.coordinator = Coordinator(
-            config.num_workers, env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000)
+        self.workers = config.num_workers  # in the job now (fewer after an elastic re-form)
+        self.epoch = 0  # how many times the job has re-formed
+        self.grace = env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000
+        self.coordinator = Coordinator(config.num_workers, self.grace)
 
     def run(self) -> int:
         """Serve until every worker has finished (0; 1 if one ended on an error) or a node
@@ -100,7 +106,9 @@ class Scheduler:
                 if self.started:
                     self._deliver(self.coordinator.tick())
                 lost = self._closed_node() or self._silent_node()
-                if lost is not None:
+                if lost is not None and self._can_reform(lost[0]):
+                    self._reform(*lost)
+                elif lost is not None:
                     return self._lose(*lost)
                 if not self.started and time.monotonic() >= notice:
                     have = self._count()
@@ -377,8 +385,44 @@ class Scheduler:
             del self.nodes[identity]
         return None
 
+    def _can_reform(self, lost: Node) -> bool:
+        """Whether the job goes on without ``lost``: an elastic job, a worker, no worker yet
+        finished (a finished one's rounds are over) and at least ``PS_MIN_WORKERS`` left."""
+        workers = [n for n in self.nodes.values() if n.role == "worker"]
+        return self.config.elastic and lost.role == "worker" and \
+            not any(n.finished for n in workers) and len(workers) - 1 >= self.config.min_workers
+
+    def _reform(self, lost: Node, why: str) -> None:
+        """Go on without ``lost``: a new epoch, the other workers renumbered in their order, and
+        every node told at once (the collectives being agreed are dropped: every worker
+        abandons what it had in flight)."""
+        del self.nodes[lost.identity]
+        self.epoch += 1
+        workers = sorted((n for n in self.nodes.values() if n.role == "worker"), key=lambda n: n.rank)
+        for rank, node in enumerate(workers):
+            node.rank = rank
+        self.workers = len(workers)
+        self.coordinator = Coordinator(self.workers, self.grace)
+        what = f"{lost.label} lost: {why}"
+        log.warning("%s; going on with %d worker(s) (epoch %d, PS_MIN_WORKERS=%d)", what,
+                    self.workers, self.epoch, self.config.min_workers)
+        book = [n.address for n in sorted((n for n in self.nodes.values() if n.role == "server"),
+                                          key=lambda n: n.rank)]
+        for node in self.nodes.values():
+            self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
+                        num_workers=self.workers, servers=book, lost=what)
+
     def _lose(self, lost: Node, why: str) -> int:
         what = f"{lost.label} lost: {why}"
+        if self.config.elastic:
+            workers = [n for n in self.nodes.values() if n.role == "worker"]
+            if lost.role != "worker":
+                what += "; an elastic job re-forms without a lost worker, not a lost server"
+            elif any(n.finished for n in workers):
+                what += "; a worker has already finished, so the job cannot re-form"
+            else:
+                what += (f"; only {len(workers) - 1} worker(s) would remain, below "
+                         f"PS_MIN_WORKERS={self.config.min_workers}")
         log.error("%s; telling every node", what)
         for node in self.nodes.values():
             if node is not lost and not node.finished:

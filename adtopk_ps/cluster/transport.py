@@ -196,6 +196,8 @@ class SchedulerLink:
         elif msg.op == Op.ADDRESSBOOK:
             self.rank = msg.extra["rank"]
             self.book = msg.extra
+        elif msg.op == Op.RESHAPE:  # the caller acts on the rest (server.py, engine.py)
+            self.rank = msg.extra["rank"]
         elif msg.op == Op.NODE_LOST:
             raise ClusterError(f"{msg.extra.get('what', 'a peer was lost')}; ending the job")
         elif msg.op == Op.ERROR:

@@ -8,6 +8,7 @@
 
 docs/compatibility.md lists every byteps.torch and horovod.torch name and what differs.
 """
+from adtopk_ps.torch import elastic
 from adtopk_ps.torch.agreement import Disagreement
 from adtopk_ps.torch.compressors import Compression
 from adtopk_ps.torch.ddp_hook import ADTopkHookState, adtopk_hook
@@ -32,7 +33,7 @@ __all__ = [
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "byteps_push_pull", "client", "declare", "init", "is_initialized", "join", "local_rank",
+    "byteps_push_pull", "client", "declare", "elastic", "init", "is_initialized", "join", "local_rank",
     "local_size", "poll", "push_pull", "push_pull_async", "push_pull_async_inplace",
     "push_pull_inplace", "rank", "resume", "shutdown", "size", "suspend", "synchronize",
     "ReplicasDiverged", "verify_replicas",

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from typing import Callable, Iterator, TypeVar
 
 import torch
 
+from adtopk_ps.client.engine import MembershipChanged
 from adtopk_ps.compression import Route, compression_speed
 from adtopk_ps.torch import fusion
 from adtopk_ps.torch.agreement import agree, describe
@@ -41,6 +43,25 @@ from adtopk_ps.torch.trial import Trial
 T = TypeVar("T")
 PROBE_BYTES = 8 << 20  # the dense round trip timed for the cost model
 _wrappers = itertools.count()
+# every GradientSync of this process by the order they were made (every worker makes them in
+# one order), for reset_all
+_made = itertools.count()
+_live: "weakref.WeakValueDictionary[int, GradientSync]" = weakref.WeakValueDictionary()
+
+
+def reset_all() -> None:
+    """:meth:`GradientSync.reset` every GradientSync of this process, in the order they were
+    made (each agrees again with the other workers: all must go in one order).
+
+    Example::
+
+        client().acknowledge_membership()
+        reset_all()
+    """
+    for index in sorted(_live):
+        sync = _live.get(index)
+        if sync is not None:
+            sync.reset()
 
 
 def for_wrapper(kind: str, named: list[tuple[str, torch.Tensor]], compression: object,
@@ -91,8 +112,9 @@ class GradientSync:
     every server key. ``overlap``: push each gradient from a hook as
     backward accumulates it (True), in :meth:`wait_all` (False), or time
     both (``"auto"``, :mod:`.trial`). ``fusion_bytes`` caps the buckets that
-    small dense gradients share. ``summed``: the caller wants sums (it
-    multiplies the averages itself); the workers must agree on it.
+    small dense gradients share. ``summed``: :meth:`wait_all` leaves the
+    workers' sum in ``p.grad`` instead of their average (horovod's ``op=Sum``);
+    the workers must agree on it.
 
     Example::
 
@@ -109,7 +131,8 @@ class GradientSync:
                  summed: bool = False, key_prefix: str = ""):
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
+                             f"{backward_passes_per_step!r}")
         if overlap not in (True, False, "auto"):
             raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
         named = list(named)
@@ -128,9 +151,16 @@ class GradientSync:
         self._bucket_handles: dict[str, Pending] = {}
         self._hooks: list = []
         self._steps = 0
-        self._agree()                                            # 1. the same on every worker
-        self._group, self._lane_device = self._measure()         # 2. timed where asked
-        self._start_plans(overlap)                               # 3. routes, plans; 4. hooks
+        while True:
+            try:
+                self._agree()                                    # 1. the same on every worker
+                self._group, self._lane_device = self._measure()  # 2. timed where asked
+                self._start_plans(overlap)                       # 3. routes, plans; 4. hooks
+                break
+            except MembershipChanged:  # (elastic) a worker lost meanwhile: the rest set up anew
+                client().acknowledge_membership()
+                reset_all()
+        _live[next(_made)] = self
 
     # -- what it synchronises -------------------------------------------------------------
 
@@ -263,7 +293,8 @@ class GradientSync:
                 self.start(name, p, p.grad)
 
     def wait_all(self) -> None:
-        """Push what is missing, wait for every average and write it into ``p.grad``.
+        """Push what is missing, wait for every average and write it into ``p.grad`` (the sum,
+        where ``summed``).
 
         Raises :class:`~.nonfinite.NonFiniteGradient` on every worker alike where some
         worker's gradient held a NaN or an infinity, under ``nonfinite="stop"``. Parameters
@@ -287,6 +318,10 @@ class GradientSync:
                 p.grad = averaged.to(p.dtype)
             elif averaged is not p.grad:
                 p.grad.copy_(averaged)
+        if self._settings[2]:  # summed: the servers answer averages; the sum is W times that
+            for _, p in self._named:
+                if p.grad is not None:
+                    p.grad.mul_(client().size)
         self._passes.clear()
         self.guard.inspect(waited, self._steps, client().rank, self.members)
         self._follow_requires_grad()
@@ -342,6 +377,21 @@ class GradientSync:
                 self._hook_up(mode.overlap)
         return result
 
+    def reset(self) -> None:
+        """After the workers changed (an elastic job re-formed, :mod:`.elastic`): forget this
+        step's pushes, agree again with the new membership and lay the plans out again (a
+        step trial starts over). The caller has restored its last committed state, this
+        object's included (:meth:`load_state_dict`)."""
+        self._handles.clear()
+        self._bucket_handles.clear()
+        self._passes.clear()
+        for plan in self._plans:
+            for bucket in plan.layout.buckets if plan.layout is not None else ():
+                bucket.ready.clear()
+        overlap = self._settings[0]
+        self._agree()
+        self._start_plans(overlap if overlap == "auto" else self._overlap)
+
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
@@ -371,11 +421,16 @@ class GradientSync:
     def _measure(self) -> tuple[Group | None, torch.device]:
         """The workers' all-reduce group where dense tensors may take it, and the device it
         reduces on; the cost model's figures where it (or ``dense_transport="auto"``) wants them."""
-        transport = self.compression.dense_transport
-        # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses)
+        transport, elastic = self.compression.dense_transport, client().config.elastic
+        if transport == "allreduce" and elastic:
+            raise ValueError("dense_transport='allreduce' in an elastic job (PS_MIN_WORKERS): the "
+                             "workers' all-reduce group cannot re-form without a lost worker; use "
+                             "'ps' (or 'auto', which keeps to the servers there)")
+        # "auto" keeps to the servers where their traffic is encrypted (worker_group refuses),
+        # and where the workers may change
         devices = [p.device for _, p in self._named]
         group = worker_group(devices) if transport == "allreduce" or transport == "auto" and \
-            not client().encrypted else None
+            not client().encrypted and not elastic else None
         # NCCL reduces on this worker's one GPU (worker_group's rule); gloo, from the CPU
         lane_device = devices[0] if group is not None and group.name() == "nccl" else torch.device("cpu")
         # the largest gradients are the ones the cost model decides about

@@ -20,7 +20,6 @@ from adtopk_ps.torch.gradient_compression import GradientCompression
 from adtopk_ps.torch.gradient_sync import GradientSync
 from adtopk_ps.torch.nonfinite import NonFiniteGuard
 from adtopk_ps.torch.ops import Average, averages
-from adtopk_ps.torch.runtime import size
 
 
 class _Distributed:
@@ -189,10 +188,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)
     wrapped.gradient_sync, wrapped._synchronized, wrapped._skip = sync, False, False
-    if summed:  # the servers answer averages; the sum is size() times that
-        def to_sum(opt, args, kwargs):
-            for _, p in opt.gradient_sync.named:
-                if p.grad is not None:
-                    p.grad.mul_(size())
-        wrapped.register_step_pre_hook(to_sum)
     return wrapped

@@ -1,6 +1,6 @@
 """Pending: what every way of averaging one tensor hands back before the average is in.
 
-Two implementations follow it: a push_pull's :class:`~adtopk_ps.client.Handle`
+Two implementations follow it: a push_pull's :class:`~adtopk_ps.client.handle.Handle`
 (through the servers) and the dense lane's :class:`~.dense_lane.Reduction`
 (all-reduced among the workers). :class:`~.gradient_sync.GradientSync` and
 :class:`~.nonfinite.NonFiniteGuard` hold either, through this interface only.

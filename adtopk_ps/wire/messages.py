@@ -47,6 +47,9 @@ class Op(str, Enum):
     FINISH = "finish"  # worker -> scheduler and servers: no push of its is left to come
     SHUTDOWN = "shutdown"  # scheduler -> node: the job is over
     NODE_LOST = "node_lost"  # scheduler -> node: a peer was lost; the job ends
+    # scheduler -> node: the workers changed (elastic): the new epoch, this node's rank, the
+    # number of workers and the servers; pushes and answers then carry the epoch
+    RESHAPE = "reshape"
     ERROR = "error"  # any -> sender: what it sent was refused, and why
 
     def __str__(self) -> str:
@@ -134,6 +137,8 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     extra = {k: v for k, v in header.items() if k not in _ENVELOPE}
     if "nonfinite" in extra:
         _check_nonfinite(op, extra["nonfinite"])
+    if "epoch" in extra and not (type(extra["epoch"]) is int and 0 < extra["epoch"] < 1 << 31):
+        raise WireError(f"field 'epoch' must be a positive int, got {extra['epoch']!r:.60}")
     return Message(op, header["key"], header["round"], header["sender"], payload, extra)
 
 

@@ -1,0 +1,282 @@
+"""horovod's elastic training over the parameter server: lose a worker and keep training.
+
+In an elastic job (``PS_MIN_WORKERS`` below the workers; ``bpslaunch --min-workers``) the
+scheduler re-forms the job without a worker it lost, within a second or two: the survivors
+are renumbered 0..W-2, the servers drop every round in progress, and every call a survivor
+has in flight, or makes next, raises :class:`HorovodInternalError` (the client's
+:class:`~adtopk_ps.client.engine.MembershipChanged`). :func:`run` catches it, puts the
+training state back to its last :meth:`~State.commit`, re-forms what synchronises gradients
+(:meth:`~adtopk_ps.torch.gradient_sync.GradientSync.reset`: the workers agree their set-up
+again), calls the state's reset callbacks, and has every worker take the newest commit any
+of them holds (:meth:`~State.sync`), before it calls the training function again.
+
+horovod's elastic PyTorch scripts run with the import changed::
+
+    import adtopk_ps.torch as hvd
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, epochs):
+            for state.batch, (x, y) in enumerate(loader):   # loader over an ElasticSampler
+                ...
+                optimizer.step()
+                state.commit()
+
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0)
+    train(state)
+
+A commit is a copy in memory (model, optimizer with its error-feedback residuals and step
+count, samplers, any other attributes). Joining workers and lost servers are not handled
+yet: a lost server, or falling below ``PS_MIN_WORKERS``, ends the job as before, naming why.
+"""
+from __future__ import annotations
+
+import abc
+import copy
+import functools
+import math
+import random
+from typing import Callable, Iterator, TypeVar
+
+import torch
+
+from adtopk_ps.client.engine import MembershipChanged
+from adtopk_ps.torch.gradient_sync import reset_all
+from adtopk_ps.torch.objects import allgather_object, broadcast_object
+from adtopk_ps.torch.runtime import client, rank, size
+from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
+
+#: horovod's name for the error a lost worker raises in every survivor's next call
+HorovodInternalError = MembershipChanged
+
+T = TypeVar("T")
+
+
+class State(abc.ABC):
+    """What :func:`run` puts back after a re-form: subclasses save, restore and sync their parts.
+
+    Example::
+
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0)
+        state.register_reset_callbacks([lambda: print("now", hvd.size(), "workers")])
+    """
+
+    def __init__(self) -> None:
+        self._reset_callbacks: list[Callable[[], None]] = []
+        self.commits = 0  # how many commits this worker has made: the newest wins a sync
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Call each of ``callbacks`` after a re-form, before the state is synced (to rebuild
+        what depends on the ranks: data loaders, learning-rate scales)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Run the reset callbacks (:func:`run` calls this)."""
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory, so that a re-form comes back to here; raises
+        :class:`HorovodInternalError` if the job has re-formed since the last call (the
+        save stands: nothing committed is lost)."""
+        self.save()
+        self.commits += 1
+        client().check()
+
+    def sync(self) -> None:
+        """Every worker takes the newest commit any of them holds (ties: the lowest rank):
+        after a re-form a worker that missed the last commit catches up, and none goes back."""
+        commits = allgather_object(self.commits, "elastic.commits")
+        root = commits.index(max(commits))
+        self.commits = commits[root]
+        self.sync_from(root)
+
+    @abc.abstractmethod
+    def save(self) -> None:
+        """Copy the state in memory (what :meth:`restore` goes back to)."""
+
+    @abc.abstractmethod
+    def restore(self) -> None:
+        """Go back to the last :meth:`save`."""
+
+    @abc.abstractmethod
+    def sync_from(self, root: int) -> None:
+        """Take worker ``root``'s saved state (every worker calls it alike)."""
+
+
+class ObjectState(State):
+    """Plain attributes (``epoch=0, batch=0``), saved, restored and synced as they are.
+
+    Example::
+
+        state = hvd.elastic.ObjectState(epoch=0, batch=0)
+    """
+
+    def __init__(self, **attributes: object) -> None:
+        super().__init__()
+        self._attributes = list(attributes)
+        self.__dict__.update(attributes)
+        self._saved = copy.deepcopy(attributes)
+
+    def save(self) -> None:
+        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._attributes}
+
+    def restore(self) -> None:
+        self.__dict__.update(copy.deepcopy(self._saved))
+
+    def sync_from(self, root: int) -> None:
+        if self._attributes:
+            self._saved = broadcast_object(self._saved, root, "elastic.attributes")
+            self.__dict__.update(copy.deepcopy(self._saved))
+
+
+class TorchState(ObjectState):
+    """A model, its optimizer, any :class:`ElasticSampler` and other attributes (horovod's).
+
+    The optimizer's error-feedback residuals stay each worker's own in a sync (they hold
+    what that worker has not yet sent), while its step count follows the root's.
+
+    Example::
+
+        state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
+                                       epoch=0, batch=0)
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None, **attributes: object) -> None:
+        self.model, self.optimizer = model, optimizer
+        self._samplers = {k: v for k, v in attributes.items() if isinstance(v, ElasticSampler)}
+        super().__init__(**{k: v for k, v in attributes.items() if k not in self._samplers})
+        self.__dict__.update(self._samplers)
+        self._saved_model = self._saved_optimizer = None
+        self._saved_samplers: dict[str, dict] = {}
+        self.save()
+
+    def save(self) -> None:
+        super().save()
+        if self.model is not None:
+            self._saved_model = copy.deepcopy(self.model.state_dict())
+        if self.optimizer is not None:
+            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
+        self._saved_samplers = {k: s.state_dict() for k, s in self._samplers.items()}
+
+    def restore(self) -> None:
+        super().restore()
+        if self.model is not None:
+            self.model.load_state_dict(self._saved_model)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(self._saved_optimizer)
+        for name, sampler in self._samplers.items():
+            sampler.load_state_dict(self._saved_samplers[name])
+
+    def sync_from(self, root: int) -> None:
+        super().sync_from(root)
+        if self.model is not None:
+            broadcast_parameters(self.model.state_dict(), root_rank=root, prefix="elastic.model")
+        if self.optimizer is not None:
+            sync = getattr(self.optimizer, "gradient_sync", None)
+            own = sync.state_dict()["compression"] if sync is not None else None
+            broadcast_optimizer_state(self.optimizer, root_rank=root, prefix="elastic")
+            if sync is not None:  # the root's step count, this worker's residuals
+                sync.load_state_dict({"compression": own, "steps": sync.state_dict()["steps"]})
+        if self._samplers:
+            states = broadcast_object({k: s.state_dict() for k, s in self._samplers.items()},
+                                      root, "elastic.samplers")
+            for name, sampler in self._samplers.items():
+                sampler.load_state_dict(states[name])
+        self.save()
+
+
+def run(func: Callable[..., T]) -> Callable[..., T]:
+    """Make ``func(state, ...)`` elastic (horovod's ``hvd.elastic.run``): it is called after
+    the workers take the newest commit, and called again after each re-form, from the state
+    its last commit saved.
+
+    Example::
+
+        @hvd.elastic.run
+        def train(state):
+            ...
+    """
+    @functools.wraps(func)
+    def wrapper(state: State, *args, **kwargs) -> T:
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+                _reform(state)
+    return wrapper
+
+
+def _reform(state: State) -> None:
+    """Take up the new membership: acknowledge it, re-form every GradientSync (the workers
+    agree again) and run the state's reset callbacks; a worker lost meanwhile starts it
+    over."""
+    while True:
+        client().acknowledge_membership()
+        try:
+            reset_all()
+            state.on_reset()
+            return
+        except HorovodInternalError:
+            continue
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A sampler that splits what is left of an epoch among the workers there are now
+    (horovod's): after a re-form, the samples of this epoch not yet processed are dealt out
+    again to the new ranks, so none is lost or seen twice (a short last round is padded
+    from the start, as ``DistributedSampler`` pads).
+
+    Call :meth:`record_batch` after each batch and :meth:`set_epoch` at each epoch's start;
+    keep it in the :class:`TorchState` so that a commit saves how far the epoch got.
+
+    Example::
+
+        sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=0)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
+        state = hvd.elastic.TorchState(model=model, optimizer=opt, sampler=sampler, epoch=0)
+    """
+
+    def __init__(self, dataset, shuffle: bool = True, seed: int = 0):
+        self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
+        self.epoch = 0
+        self.processed = 0  # samples of this epoch processed by all workers together
+        self.reset()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch``: its own order, nothing processed yet."""
+        self.epoch, self.processed = epoch, 0
+        self.reset()
+
+    def record_batch(self, batch_idx: int, batch_size: int) -> None:
+        """A batch of ``batch_size`` went through on every worker."""
+        self.processed += batch_size * self.num_replicas
+
+    def state_dict(self) -> dict:
+        """The epoch and how far it got."""
+        return {"epoch": self.epoch, "processed": self.processed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go back to ``state`` and deal out what is left among the workers there are now."""
+        self.epoch, self.processed = state["epoch"], state["processed"]
+        self.reset()
+
+    def reset(self) -> None:
+        """Deal out the epoch's unprocessed samples among the current ranks."""
+        self.num_replicas, self.rank = size(), rank()
+        order = list(range(len(self.dataset)))
+        if self.shuffle:
+            random.Random(self.seed + self.epoch).shuffle(order)
+        self.remaining = order[self.processed:]
+        self.num_samples = math.ceil(len(self.remaining) / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+
+    def __iter__(self) -> Iterator[int]:
+        indices = self.remaining + self.remaining[:self.total_size - len(self.remaining)]
+        return iter(indices[self.rank:self.total_size:self.num_replicas])
+
+    def __len__(self) -> int:
+        return self.num_samples

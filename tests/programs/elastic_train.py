@@ -1,0 +1,102 @@
+"""A horovod elastic script (only the import changed) that loses a worker mid-training.
+
+Trains an MLP on scikit-learn's digits through ``hvd.elastic.run`` with a ``TorchState``
+committed every step and an ``ElasticSampler``. ``--kill W:S`` (repeatable): the worker
+started as ``DMLC_WORKER_ID`` W kills itself with SIGKILL at step S, ``--when``: before its
+push, between its push and the answers (with overlap), or at start-up, before the
+optimizer's agreement (S ignored). ``--pause W:S``: that worker stops itself (SIGSTOP) for
+``--pause-s`` seconds at step S. Every survivor prints one line a step (``step N``), the
+time it took up training again after a re-form (``resumed in S s``), and at the end its step
+count and a digest of its parameters.
+"""
+import argparse
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from sklearn.datasets import load_digits
+
+import adtopk_ps.torch as hvd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kill", action="append", default=[], help="worker:step")
+    ap.add_argument("--when", choices=["before-push", "mid-push", "start-up"], default="before-push")
+    ap.add_argument("--pause", default="", help="worker:step")
+    ap.add_argument("--pause-s", type=float, default=1.0)
+    args = ap.parse_args()
+    hvd.init()
+    started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
+    kill_at = {int(w): int(s) for w, s in (k.split(":") for k in args.kill)}.get(started_as, -1)
+    pause_at = int(args.pause.split(":")[1]) if args.pause and \
+        int(args.pause.split(":")[0]) == started_as else -1
+
+    def die() -> None:
+        print(f"worker {started_as}: killed at {time.time():.3f}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kill_at >= 0 and args.when == "start-up":
+        die()
+    torch.manual_seed(0)
+    digits = load_digits()
+    data = torch.utils.data.TensorDataset(torch.tensor(digits.data, dtype=torch.float32) / 16,
+                                          torch.tensor(digits.target))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
+        compression=hvd.Compression.adtopk(ratio=0.05), overlap=args.when == "mid-push")
+    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=1)
+    state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
+                                   epoch=0, batch=0, step=0, seen={})
+    lost_at = []
+    state.register_reset_callbacks([lambda: lost_at.append(time.time())])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < args.steps:
+            loader = torch.utils.data.DataLoader(data, batch_size=16, sampler=sampler)
+            for state.batch, (x, y) in enumerate(loader):
+                if state.step >= args.steps:
+                    break
+                if state.step == kill_at and args.when == "before-push":
+                    die()
+                if state.step == pause_at:
+                    subprocess.Popen(["sh", "-c", f"sleep {args.pause_s}; kill -CONT {os.getpid()}"])
+                    print(f"worker {started_as}: pausing for {args.pause_s} s", flush=True)
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                optimizer.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                if state.step == kill_at and args.when == "mid-push":
+                    time.sleep(0.05)  # with overlap, the pushes have left; the answers have not
+                    die()
+                optimizer.step()
+                sampler.record_batch(state.batch, len(x))
+                state.seen[state.epoch] = state.seen.get(state.epoch, 0) + len(x) * hvd.size()
+                state.step += 1
+                if lost_at:
+                    print(f"worker {hvd.rank()}: resumed in {time.time() - lost_at[0]:.3f} s "
+                          f"at {time.time():.3f}", flush=True)
+                    lost_at.clear()
+                print(f"worker {hvd.rank()}: step {state.step} of {hvd.size()} at {time.time():.3f}",
+                      flush=True)
+                state.commit()
+            else:
+                state.epoch += 1
+                state.batch = 0
+                sampler.set_epoch(state.epoch)
+                state.commit()
+
+    train(state)
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    print(f"worker {hvd.rank()}: done step={state.step} size={hvd.size()} "
+          f"digest={digest.hexdigest()[:16]} seen={sorted(state.seen.items())}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
