@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from adtopk_ps.testing.stats import kill_to_next_step
 from procs import bpslaunch
 
 PROGRAM = str(Path(__file__).resolve().parent / "programs" / "elastic_train.py")
@@ -30,13 +31,6 @@ def survivors(out: str) -> list[tuple[int, str, int]]:
     """(step, digest, size) of every worker that finished."""
     return [(int(m[1]), m[3], int(m[2])) for m in
             re.finditer(r"done step=(\d+) size=(\d+) digest=(\w+)", out)]
-
-
-def kill_to_next_step(out: str) -> list[float]:
-    """Seconds from each kill to the first step any survivor finished after it."""
-    kills = sorted(float(t) for t in re.findall(r"killed at ([\d.]+)", out))
-    steps = sorted(float(t) for t in re.findall(r"step \d+ of \d+ at ([\d.]+)", out))
-    return [min(t for t in steps if t > kill) - kill for kill in kills]
 
 
 def check_finished(result, workers: int) -> list[float]:
@@ -73,9 +67,11 @@ def test_a_worker_killed_in_the_start_up_agreement_leaves_the_others_training():
     assert "going on with 2 worker(s) (epoch 1" in result.stdout
 
 
-def test_a_worker_killed_while_another_was_lost_moments_before():
-    # two kills a step apart: the second lands while the survivors re-form from the first
-    check_finished(elastic_job(4, 2, 2, "--kill=3:5", "--kill=0:6"), 2)
+def test_workers_killed_at_once_and_while_the_others_re_form():
+    # two kills at one step (two re-forms within milliseconds: a request made in the first
+    # must not be answered in the second), a third a step later, while the others re-form
+    check_finished(elastic_job(5, 2, 2, "--when", "mid-push", "--kill=1:5", "--kill=3:5",
+                               "--kill=0:6"), 2)
 
 
 def test_below_the_minimum_the_job_ends_naming_why():

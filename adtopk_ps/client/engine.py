@@ -264,9 +264,9 @@ class Engine:
             self._launch(servers)
             for op, reqid, fields in commands:
                 if op == Op.NEGOTIATE:
-                    link.negotiate(reqid, fields)
+                    link.negotiate(reqid, fields, self.epoch)
                 elif op == Op.BLOCKED:
-                    link.block(reqid, fields["waiting"], fields["withdraw"])
+                    link.block(reqid, fields["waiting"], fields["withdraw"], self.epoch)
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
@@ -305,6 +305,8 @@ class Engine:
         with self.lock:
             jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
             calls, self._agreements = list(self._agreements.values()), {}
+            # requests of the old membership not yet sent go too (a finish stays)
+            self._commands = [c for c in self._commands if c[0] == Op.FINISH]
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
             self.changed = error
         parts = [p for waiting in self._inflight.values() for p in waiting]

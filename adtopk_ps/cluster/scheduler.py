@@ -283,8 +283,11 @@ class Scheduler:
                 pass
 
     def _negotiate(self, node: Node, msg: wire.Message) -> None:
-        """A worker's request for a collective, or word that it waits for one."""
+        """A worker's request for a collective, or word that it waits for one; one sent before
+        the worker knew of the last re-form is of a membership that is gone (dropped)."""
         x = msg.extra
+        if x.get("epoch", 0) != self.epoch:
+            return
         if msg.op == Op.BLOCKED:
             if x.get("withdraw"):
                 self._deliver(self.coordinator.withdraw(node.rank, msg.round))

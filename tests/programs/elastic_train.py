@@ -30,6 +30,7 @@ def main() -> None:
     ap.add_argument("--when", choices=["before-push", "mid-push", "start-up"], default="before-push")
     ap.add_argument("--pause", default="", help="worker:step")
     ap.add_argument("--pause-s", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data order")
     args = ap.parse_args()
     hvd.init()
     started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
@@ -37,12 +38,12 @@ def main() -> None:
     pause_at = int(args.pause.split(":")[1]) if args.pause and \
         int(args.pause.split(":")[0]) == started_as else -1
 
-    def die() -> None:
-        print(f"worker {started_as}: killed at {time.time():.3f}", flush=True)
+    def die(steps_done: int) -> None:
+        print(f"worker {started_as}: killed after step {steps_done} at {time.time():.3f}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     if kill_at >= 0 and args.when == "start-up":
-        die()
-    torch.manual_seed(0)
+        die(0)
+    torch.manual_seed(args.seed)
     digits = load_digits()
     data = torch.utils.data.TensorDataset(torch.tensor(digits.data, dtype=torch.float32) / 16,
                                           torch.tensor(digits.target))
@@ -50,7 +51,7 @@ def main() -> None:
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
         compression=hvd.Compression.adtopk(ratio=0.05), overlap=args.when == "mid-push")
-    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=1)
+    sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=args.seed)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
                                    epoch=0, batch=0, step=0, seen={})
     lost_at = []
@@ -64,7 +65,7 @@ def main() -> None:
                 if state.step >= args.steps:
                     break
                 if state.step == kill_at and args.when == "before-push":
-                    die()
+                    die(state.step)
                 if state.step == pause_at:
                     subprocess.Popen(["sh", "-c", f"sleep {args.pause_s}; kill -CONT {os.getpid()}"])
                     print(f"worker {started_as}: pausing for {args.pause_s} s", flush=True)
@@ -73,7 +74,7 @@ def main() -> None:
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 if state.step == kill_at and args.when == "mid-push":
                     time.sleep(0.05)  # with overlap, the pushes have left; the answers have not
-                    die()
+                    die(state.step)
                 optimizer.step()
                 sampler.record_batch(state.batch, len(x))
                 state.seen[state.epoch] = state.seen.get(state.epoch, 0) + len(x) * hvd.size()
@@ -93,8 +94,12 @@ def main() -> None:
 
     train(state)
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+    with torch.no_grad():  # on every digit: a figure to set runs against each other, not a test score
+        x, y = data.tensors
+        accuracy = (model(x).argmax(1) == y).float().mean().item()
     print(f"worker {hvd.rank()}: done step={state.step} size={hvd.size()} "
-          f"digest={digest.hexdigest()[:16]} seen={sorted(state.seen.items())}", flush=True)
+          f"digest={digest.hexdigest()[:16]} accuracy={accuracy:.4f} seen={sorted(state.seen.items())}",
+          flush=True)
     hvd.shutdown()
 
 
