@@ -126,8 +126,13 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         env_int("PS_MIN_WORKERS", minimum=1, environ=base) < num_workers
     lock = threading.Lock()
     formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
+    reformed = formed.parent / "reformed"  # the workers an elastic job went on without
+
+    def left_behind() -> set[int]:
+        return {int(w) for w in reformed.read_text().split()} if reformed.exists() else set()
     children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
-                      {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed)}, lock)]
+                      {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed),
+                       "PS_REFORMED_FILE": str(reformed)}, lock)]
     children += [Child(f"server {i}", _python_module(SERVER_MODULE),
                        {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
@@ -137,7 +142,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
                  for i in range(num_workers)]
     try:
         return supervise(children, grace, timeout, workers=children[-num_workers:],
-                         formed=formed.exists, elastic=elastic)
+                         formed=formed.exists, left_behind=left_behind if elastic else None)
     finally:
         shutil.rmtree(formed.parent, ignore_errors=True)
 
@@ -148,7 +153,7 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 
 def supervise(children: list[Child], grace: float, timeout: float | None,
               workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
-              elastic: bool = False) -> int:
+              left_behind: Callable[[], set[int]] | None = None) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
 
@@ -163,11 +168,12 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
     then SIGKILL after ``STOP_GRACE`` seconds.
 
-    ``elastic`` (``PS_MIN_WORKERS``): a worker that dies after the cluster formed is no
-    failure; the scheduler decides whether the job goes on without it, and its status, and
-    the servers', say how the job ended.
+    ``left_behind`` (an elastic job, ``PS_MIN_WORKERS``): the ids of the workers the
+    scheduler re-formed the job without. A worker that fails after the cluster formed is
+    judged when the job ends: no failure where the job went on without it, a failure
+    otherwise (one that exits non-zero on its own, say).
     """
-    job = _Supervision(children, grace, timeout, workers if elastic else (), formed)
+    job = _Supervision(children, grace, timeout, workers if left_behind else (), formed)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -196,6 +202,10 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
             signal.signal(s, handler)
     if interrupted:
         return 128 + interrupted[0]
+    if left_behind is not None:
+        gone = left_behind()
+        job.failures += [(child.ended_at, child.code) for child in job.deferred
+                         if int(child.label.split()[-1]) not in gone]
     return min(job.failures)[1] if job.failures else 0
 
 
@@ -208,6 +218,7 @@ class _Supervision:
                  spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None):
         self.children, self.grace, self.timeout = children, grace, timeout
         self.spare, self.formed = [id(c) for c in spare], formed  # workers the job can lose
+        self.deferred: list[Child] = []  # spare workers that failed: judged at the end
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.seen: set[int] = set()
         self.failures: list[tuple[float, int]] = []
@@ -230,6 +241,7 @@ class _Supervision:
                 print(f"[bpslaunch] {child.label} exited with status {child.code}; an elastic "
                       f"job (PS_MIN_WORKERS): the scheduler decides whether it goes on",
                       file=sys.stderr, flush=True)
+                self.deferred.append(child)
                 continue
             self.failures.append((child.ended_at, child.code))
             if len(self.failures) == 1:

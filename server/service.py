@@ -80,7 +80,10 @@ class Server:
         self._stalls_checked = 0.0  # when check_stalls last looked (once a heartbeat interval)
         self.workers = config.num_workers  # in the job now (elastic jobs re-form with fewer)
         self.epoch = 0  # the membership's: pushes of an older one are dropped
-        self.early: list[tuple[bytes, list]] = []  # pushes of a newer one, until it is told
+        # pushes of a newer membership, until the scheduler's word of it comes (bounded in bytes
+        # by PS_SERVER_MAX_BYTES, as the sums are)
+        self.early: list[tuple[int, bytes, list]] = []
+        self.early_bytes = 0
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
@@ -119,18 +122,15 @@ class Server:
     def on_push(self, identity: bytes, frames: list) -> None:
         """Decode, check and aggregate one message; a bad one gets an ``error`` reply and nothing else changes."""
         key = rnd = 0
+        epoch = self.epoch  # the push's, which an error reply carries back
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
-            key, rnd = msg.key, msg.round
+            key, rnd, epoch = msg.key, msg.round, msg.extra.get("epoch", 0)
             if msg.op not in (Op.PUSH, Op.FINISH):
                 raise PushRejected(f"op {msg.op.value!r} is not served here; send push or finish")
-            epoch = msg.extra.get("epoch", 0)
-            if epoch != self.epoch:  # an abandoned round (dropped), or one of the next membership
-                if epoch > self.epoch + 1 or len(self.early) >= self.limits.max_keys:
-                    raise PushRejected(f"epoch {epoch} is not the next after this server's "
-                                       f"{self.epoch}, or too many pushes came before it")
+            if epoch != self.epoch:  # an abandoned round (dropped), or one of a newer membership
                 if epoch > self.epoch:
-                    self.early.append((identity, frames))
+                    self.keep_early(epoch, identity, frames)
                 return
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
@@ -147,7 +147,7 @@ class Server:
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
             send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc),
-                                        **self._epoch()), identity)
+                                        **({"epoch": epoch} if epoch else {})), identity)
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
@@ -178,9 +178,20 @@ class Server:
                                      self.limits.max_bytes)
         self.waiting, self.senders, self.finished, self.dead = {}, {}, set(), {}
         self.stalls = StallWatch.from_env()
-        early, self.early = self.early, []
-        for identity, frames in early:
-            self.on_push(identity, frames)
+        early, self.early, self.early_bytes = self.early, [], 0
+        for pushed, identity, frames in early:  # this epoch's served; later ones kept again
+            if pushed >= epoch:
+                self.on_push(identity, frames)
+
+    def keep_early(self, epoch: int, identity: bytes, frames: list) -> None:
+        """Keep a push of a newer membership than this server has been told of (two re-forms
+        can come before it hears of the first), refused with an error past the byte bound."""
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self.early_bytes + size > self.limits.max_bytes:
+            raise PushRejected(f"epoch {epoch} is ahead of this server's {self.epoch}, and the "
+                               f"pushes that came before it pass PS_SERVER_MAX_BYTES")
+        self.early.append((epoch, identity, frames))
+        self.early_bytes += size
 
     def on_finish(self, rank: int, identity: bytes) -> None:
         """A worker's finish comes behind its last push on the same connection: from here on,

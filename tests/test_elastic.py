@@ -6,15 +6,19 @@ at the same step count with bit-identical parameters, and each kill is followed 
 step within 3 s (the kill's and the step's wall-clock times, printed by the processes)."""
 from __future__ import annotations
 
+import os
 import random
 import re
+import signal
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from adtopk_ps.testing.stats import kill_to_next_step
-from procs import bpslaunch
+from procs import FAST, bpslaunch
 
 PROGRAM = str(Path(__file__).resolve().parent / "programs" / "elastic_train.py")
 STEPS = 16
@@ -33,14 +37,14 @@ def survivors(out: str) -> list[tuple[int, str, int]]:
             re.finditer(r"done step=(\d+) size=(\d+) digest=(\w+)", out)]
 
 
-def check_finished(result, workers: int) -> list[float]:
+def check_finished(result, workers: int, goal_s: float = GOAL_S) -> list[float]:
     assert result.returncode == 0, result.stdout[-4000:]
     done = survivors(result.stdout)
     assert len(done) == workers, result.stdout[-4000:]
     assert {(step, size) for step, _, size in done} == {(STEPS, workers)}
     assert len({digest for _, digest, _ in done}) == 1, done  # bit-identical replicas
     gaps = kill_to_next_step(result.stdout)
-    assert all(gap <= GOAL_S for gap in gaps), gaps
+    assert all(gap <= goal_s for gap in gaps), gaps
     return gaps
 
 
@@ -86,3 +90,100 @@ def test_a_worker_that_is_only_slow_is_not_evicted():
     result = elastic_job(3, 2, 2, "--pause=1:6", "--pause-s=1.0")
     check_finished(result, 3)
     assert "re-formed" not in result.stdout and "lost" not in result.stdout
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "crossbarrier"])
+def test_the_wrappers_re_form_when_a_loss_lands_mid_backward(wrapper):
+    # the survivors sleep 2.5 s between the two layers' gradients of step 4 while worker 1
+    # dies: the re-form aborts their backward pass half done (DDP had queued its end of
+    # backward; CrossBarrier holds the last step's pending updates)
+    check_finished(elastic_job(3, 2, 2, "--wrapper", wrapper, "--kill=1:4", "--slow=4:2.5"), 2,
+                   goal_s=GOAL_S + 2.5)  # the survivors' sleep adds to the wait
+
+
+def _servers_of(root: int) -> list[int]:
+    """The server processes below ``root`` (from /proc: their environment names the role)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    below, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            below.append(pid)
+            todo.append(pid)
+    found = []
+    for pid in below:
+        try:
+            if b"DMLC_ROLE=server" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def test_servers_that_hear_of_two_re_forms_late_keep_the_pushes_of_both():
+    # two workers die at once and both servers are stopped for 2.5 s as it happens: the
+    # survivors push in epoch 2 before a server has heard of epoch 1
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "4",
+           "--num-servers", "2", "--min-workers", "2", "--timeout", "100", "--", sys.executable,
+           PROGRAM, "--steps", str(STEPS), "--kill=2:5", "--kill=3:5"]
+    # heartbeats that outlast the stop: the servers are late, not lost
+    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST, "PS_HEARTBEAT_TIMEOUT_MS": "6000"},
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    lines, stopped = [], []
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if not stopped and "killed after step" in line:
+                stopped = _servers_of(launcher.pid)
+                for pid in stopped:
+                    os.kill(pid, signal.SIGSTOP)
+                threading.Timer(2.5, lambda: [os.kill(p, signal.SIGCONT) for p in stopped]).start()
+        launcher.wait(130)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert len(stopped) == 2
+    result = subprocess.CompletedProcess(cmd, launcher.returncode, "".join(lines))
+    check_finished(result, 2, goal_s=GOAL_S + 2.5)  # the servers' stop adds to the wait
+
+
+def test_a_worker_that_fails_on_its_own_still_fails_an_elastic_job():
+    # only a worker the job re-formed without is excused; one that exits 3 after finishing
+    # its work fails the job with 3
+    script = ("import sys, adtopk_ps.torch as hvd; hvd.init(); rank = hvd.rank(); "
+              "hvd.shutdown(); sys.exit(3 if rank == 0 else 0)")
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--min-workers", "1",
+                       "--timeout", "60", "--", sys.executable, "-c", script, timeout=90)
+    assert result.returncode == 3, result.stdout[-3000:]
+
+
+def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
+    # the client checks for a re-form, then queues: the engine refuses under its lock too,
+    # so a push or collective request of the old membership never goes out in the new one
+    import zmq
+
+    from adtopk_ps.client.engine import Engine, MembershipChanged
+    from adtopk_ps.cluster.membership import ClusterConfig
+    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
+                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                     "DMLC_PS_ROOT_PORT": "9"})
+    ctx = zmq.Context()
+    engine = Engine(config, ctx)  # its thread is never started
+    try:
+        engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "lost": "worker 1 lost"})
+        with pytest.raises(MembershipChanged, match="worker 1 lost; the job goes on with 1"):
+            engine.submit(0, None, None, None, None, 0, None)
+        with pytest.raises(MembershipChanged):
+            engine.negotiate(engine.new_request(), {}, None)
+        assert engine._jobs == [] and engine._agreements == {} and engine.size == 1
+    finally:
+        engine.stop(0)
+        engine._wake_in.close(0)  # (the thread that closes it never ran)
+        ctx.term()

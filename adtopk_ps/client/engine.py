@@ -148,9 +148,13 @@ class Engine:
 
     def submit(self, priority: int, handle: Handle, tensor: torch.Tensor, layout: KeyLayout,
                compressor: Compressor, step: int, ratio: float | None) -> None:
-        """Queue one tensor for compression and sending."""
+        """Queue one tensor for compression and sending; raises :class:`MembershipChanged`
+        where the job has re-formed and the caller has not acknowledged it (checked under
+        the lock the re-form takes: a push checked before it cannot slip in after)."""
         job = Job(priority, next(self._seq), handle, tensor, layout, compressor, step, ratio)
         with self.lock:
+            if self.changed is not None:
+                raise self.changed
             # the engine empties the queue before it sleeps: only a push into an empty queue
             # must wake it (each wake-up is a send and a GIL hand-over on the training thread)
             wake = not self._jobs
@@ -165,8 +169,10 @@ class Engine:
     def negotiate(self, reqid: int, fields: dict, call: "Negotiation") -> None:
         """Ask the scheduler to agree a collective (coordinator.py); ``call.answered`` gets its
         answer, on the engine thread. The request goes out behind every push queued before
-        it."""
+        it. Raises as :meth:`submit` does."""
         with self.lock:
+            if self.changed is not None:
+                raise self.changed
             self._agreements[reqid] = call
             self._commands.append((Op.NEGOTIATE, reqid, fields))
         self._poke()

@@ -48,11 +48,14 @@ class Node:
     fd: int  # the connection its last message came on
     finished: bool = False
     closed_at: float | None = None  # when that connection closed, until another carries it
+    started_as: int = -1  # its rank when the job formed (an elastic job renumbers workers)
 
     @property
     def label(self) -> str:
-        """How messages name the node: role, rank and address."""
-        return f"{self.role} {self.rank} ({self.address})"
+        """How messages name the node: role, rank (and the one it started as, where an elastic
+        re-form changed it) and address."""
+        was = f", started as {self.role} {self.started_as}" if self.started_as != self.rank else ""
+        return f"{self.role} {self.rank}{was} ({self.address})"
 
 
 class Scheduler:
@@ -270,6 +273,8 @@ class Scheduler:
             for node in self.nodes.values():
                 if node.role == role and node.rank < 0:
                     node.rank = next(free)
+                if node.role == role:
+                    node.started_as = node.rank
         servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
         book = [n.address for n in servers]
         for node in self.nodes.values():
@@ -409,6 +414,10 @@ class Scheduler:
         what = f"{lost.label} lost: {why}"
         log.warning("%s; going on with %d worker(s) (epoch %d, PS_MIN_WORKERS=%d)", what,
                     self.workers, self.epoch, self.config.min_workers)
+        reformed = os.environ.get("PS_REFORMED_FILE", "").strip()  # bpslaunch --local reads it
+        if reformed:
+            with open(reformed, "a") as out:
+                out.write(f"{lost.started_as}\n")
         book = [n.address for n in sorted((n for n in self.nodes.values() if n.role == "server"),
                                           key=lambda n: n.rank)]
         for node in self.nodes.values():

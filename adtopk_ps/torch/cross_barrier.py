@@ -72,6 +72,7 @@ class _CrossBarrier(torch.optim.Optimizer):
         self.gradient_sync = for_wrapper("crossbarrier", named, compression,
                                          backward_passes_per_step, overlap=True)
         self.gradient_sync.set_overlap(True)  # no overlap trial: crossing the barrier is overlapping
+        self.gradient_sync.abandoned(self._pending.clear)  # (elastic) their answers will not come
         for module in model.modules():
             params = list(module.parameters(recurse=False))
             if any(id(p) in self._names for p in params):

@@ -41,7 +41,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 
 from adtopk_ps.client.engine import MembershipChanged
-from adtopk_ps.torch.gradient_sync import reset_all
+from adtopk_ps.torch.gradient_sync import abandon_all, reform_all
 from adtopk_ps.torch.objects import allgather_object, broadcast_object
 from adtopk_ps.torch.runtime import client, rank, size
 from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
@@ -88,8 +88,9 @@ class State(abc.ABC):
         after a re-form a worker that missed the last commit catches up, and none goes back."""
         commits = allgather_object(self.commits, "elastic.commits")
         root = commits.index(max(commits))
-        self.commits = commits[root]
         self.sync_from(root)
+        self.save()  # the synced state is the one to come back to (a sync cut short is not)
+        self.commits = commits[root]
 
     @abc.abstractmethod
     def save(self) -> None:
@@ -101,7 +102,8 @@ class State(abc.ABC):
 
     @abc.abstractmethod
     def sync_from(self, root: int) -> None:
-        """Take worker ``root``'s saved state (every worker calls it alike)."""
+        """Take worker ``root``'s saved state into the live one (every worker calls it alike);
+        what was saved here stays until :meth:`sync` saves the result."""
 
 
 class ObjectState(State):
@@ -119,15 +121,17 @@ class ObjectState(State):
         self._saved = copy.deepcopy(attributes)
 
     def save(self) -> None:
-        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._attributes}
+        self._saved = self._copies()
+
+    def _copies(self) -> dict:
+        return {name: copy.deepcopy(getattr(self, name)) for name in self._attributes}
 
     def restore(self) -> None:
         self.__dict__.update(copy.deepcopy(self._saved))
 
     def sync_from(self, root: int) -> None:
         if self._attributes:
-            self._saved = broadcast_object(self._saved, root, "elastic.attributes")
-            self.__dict__.update(copy.deepcopy(self._saved))
+            self.__dict__.update(broadcast_object(self._saved, root, "elastic.attributes"))
 
 
 class TorchState(ObjectState):
@@ -153,12 +157,14 @@ class TorchState(ObjectState):
         self.save()
 
     def save(self) -> None:
-        super().save()
-        if self.model is not None:
-            self._saved_model = copy.deepcopy(self.model.state_dict())
-        if self.optimizer is not None:
-            self._saved_optimizer = copy.deepcopy(self.optimizer.state_dict())
-        self._saved_samplers = {k: s.state_dict() for k, s in self._samplers.items()}
+        # every part copied before any is kept: a part that raises (a model whose state_dict
+        # waits for answers a re-form abandoned) leaves the last commit whole
+        attributes = self._copies()
+        model = copy.deepcopy(self.model.state_dict()) if self.model is not None else None
+        optimizer = copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None
+        samplers = {k: s.state_dict() for k, s in self._samplers.items()}
+        self._saved, self._saved_model, self._saved_optimizer = attributes, model, optimizer
+        self._saved_samplers = samplers
 
     def restore(self) -> None:
         super().restore()
@@ -184,7 +190,6 @@ class TorchState(ObjectState):
                                       root, "elastic.samplers")
             for name, sampler in self._samplers.items():
                 sampler.load_state_dict(states[name])
-        self.save()
 
 
 def run(func: Callable[..., T]) -> Callable[..., T]:
@@ -205,23 +210,11 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 state.sync()
                 return func(state, *args, **kwargs)
             except HorovodInternalError:
+                abandon_all()  # before the restore, which must not read abandoned answers
                 state.restore()
-                _reform(state)
+                reform_all()
+                state.on_reset()
     return wrapper
-
-
-def _reform(state: State) -> None:
-    """Take up the new membership: acknowledge it, re-form every GradientSync (the workers
-    agree again) and run the state's reset callbacks; a worker lost meanwhile starts it
-    over."""
-    while True:
-        client().acknowledge_membership()
-        try:
-            reset_all()
-            state.on_reset()
-            return
-        except HorovodInternalError:
-            continue
 
 
 class ElasticSampler(torch.utils.data.Sampler):

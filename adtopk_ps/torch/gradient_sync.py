@@ -44,24 +44,43 @@ T = TypeVar("T")
 PROBE_BYTES = 8 << 20  # the dense round trip timed for the cost model
 _wrappers = itertools.count()
 # every GradientSync of this process by the order they were made (every worker makes them in
-# one order), for reset_all
+# one order), for abandon_all and reform_all
 _made = itertools.count()
 _live: "weakref.WeakValueDictionary[int, GradientSync]" = weakref.WeakValueDictionary()
 
 
-def reset_all() -> None:
-    """:meth:`GradientSync.reset` every GradientSync of this process, in the order they were
-    made (each agrees again with the other workers: all must go in one order).
+def _each_live() -> list[GradientSync]:
+    """Every GradientSync of this process, in the order they were made."""
+    return [sync for sync in (_live.get(i) for i in sorted(_live)) if sync is not None]
+
+
+def abandon_all() -> None:
+    """:meth:`GradientSync.abandon` every GradientSync of this process (no I/O): first thing
+    after :class:`~adtopk_ps.client.engine.MembershipChanged`, before the caller restores
+    its committed state (a restore that reads pending answers would raise again)."""
+    for sync in _each_live():
+        sync.abandon()
+
+
+def reform_all() -> None:
+    """Take up the new membership: acknowledge it and :meth:`GradientSync.reset` every
+    GradientSync of this process in the order they were made (each agrees again with the
+    other workers: all go in one order); a worker lost meanwhile starts it over.
 
     Example::
 
-        client().acknowledge_membership()
-        reset_all()
+        abandon_all()
+        state.restore()
+        reform_all()
     """
-    for index in sorted(_live):
-        sync = _live.get(index)
-        if sync is not None:
-            sync.reset()
+    while True:
+        client().acknowledge_membership()
+        try:
+            for sync in _each_live():
+                sync.reset()
+            return
+        except MembershipChanged:
+            abandon_all()
 
 
 def for_wrapper(kind: str, named: list[tuple[str, torch.Tensor]], compression: object,
@@ -150,6 +169,7 @@ class GradientSync:
         self._handles: dict[int, Pending] = {}
         self._bucket_handles: dict[str, Pending] = {}
         self._hooks: list = []
+        self._on_abandon: list[Callable[[], None]] = []  # its wrappers' (see abandoned)
         self._steps = 0
         while True:
             try:
@@ -158,8 +178,8 @@ class GradientSync:
                 self._start_plans(overlap)                       # 3. routes, plans; 4. hooks
                 break
             except MembershipChanged:  # (elastic) a worker lost meanwhile: the rest set up anew
-                client().acknowledge_membership()
-                reset_all()
+                abandon_all()
+                reform_all()
         _live[next(_made)] = self
 
     # -- what it synchronises -------------------------------------------------------------
@@ -377,17 +397,34 @@ class GradientSync:
                 self._hook_up(mode.overlap)
         return result
 
-    def reset(self) -> None:
-        """After the workers changed (an elastic job re-formed, :mod:`.elastic`): forget this
-        step's pushes, agree again with the new membership and lay the plans out again (a
-        step trial starts over). The caller has restored its last committed state, this
-        object's included (:meth:`load_state_dict`)."""
+    def abandoned(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when this step's pushes are abandoned (:meth:`abandon`): a wrapper
+        forgets what it holds of them (CrossBarrier its pending updates, DDP its queued end of
+        backward).
+
+        Example::
+
+            sync.abandoned(self._pending.clear)
+        """
+        self._on_abandon.append(callback)
+
+    def abandon(self) -> None:
+        """The workers changed (an elastic job re-formed, :mod:`.elastic`): forget this step's
+        pushes and their answers, here and in the wrappers (no I/O)."""
         self._handles.clear()
         self._bucket_handles.clear()
         self._passes.clear()
         for plan in self._plans:
             for bucket in plan.layout.buckets if plan.layout is not None else ():
                 bucket.ready.clear()
+        for callback in self._on_abandon:
+            callback()
+
+    def reset(self) -> None:
+        """After the workers changed: :meth:`abandon`, then agree again with the new
+        membership and lay the plans out again (a step trial starts over). The caller has
+        restored its last committed state, this object's included (:meth:`load_state_dict`)."""
+        self.abandon()
         overlap = self._settings[0]
         self._agree()
         self._start_plans(overlap if overlap == "auto" else self._overlap)

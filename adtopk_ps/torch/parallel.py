@@ -63,6 +63,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._sync = True  # False inside no_sync()
         self._queued = False  # the end-of-backward callback is queued
         self._unsynced = False  # a backward pass has accumulated gradients not averaged yet
+        # an elastic re-form aborts a backward pass before its queued callback runs
+        self.gradient_sync.abandoned(self._forget_backward)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient) for _, p in named]
 
     def forward(self, *inputs, **kwargs):
@@ -78,6 +80,9 @@ class DistributedDataParallel(torch.nn.Module):
         if self._sync and not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _forget_backward(self) -> None:
+        self._queued = self._unsynced = False
 
     def _end_of_backward(self) -> None:
         self._queued = False

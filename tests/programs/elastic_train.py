@@ -5,7 +5,10 @@ committed every step and an ``ElasticSampler``. ``--kill W:S`` (repeatable): the
 started as ``DMLC_WORKER_ID`` W kills itself with SIGKILL at step S, ``--when``: before its
 push, between its push and the answers (with overlap), or at start-up, before the
 optimizer's agreement (S ignored). ``--pause W:S``: that worker stops itself (SIGSTOP) for
-``--pause-s`` seconds at step S. Every survivor prints one line a step (``step N``), the
+``--pause-s`` seconds at step S. ``--slow S:SECONDS``: every worker not killed sleeps that
+long in step S's backward pass, between the two layers' gradients (so that a re-form lands
+in the middle of it). ``--wrapper``: the optimizer (default), byteps' DDP wrapper, or
+CrossBarrier. Every survivor prints one line a step (``step N``), the
 time it took up training again after a re-form (``resumed in S s``), and at the end its step
 count and a digest of its parameters.
 """
@@ -21,6 +24,24 @@ import torch
 from sklearn.datasets import load_digits
 
 import adtopk_ps.torch as hvd
+from adtopk_ps.torch.cross_barrier import CrossBarrier
+from adtopk_ps.torch.parallel import DistributedDataParallel
+
+
+class MLP(torch.nn.Module):
+    """Two layers; ``pause`` seconds of sleep between their gradients in the next backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(64, 128), torch.nn.Linear(128, 10)
+        self.pause = 0.0
+
+    def forward(self, x):
+        hidden = torch.relu(self.fc1(x))
+        if self.pause and hidden.requires_grad:
+            pause, self.pause = self.pause, 0.0
+            hidden.register_hook(lambda grad: (time.sleep(pause), grad)[1])
+        return self.fc2(hidden)
 
 
 def main() -> None:
@@ -31,6 +52,8 @@ def main() -> None:
     ap.add_argument("--pause", default="", help="worker:step")
     ap.add_argument("--pause-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data order")
+    ap.add_argument("--slow", default="", help="step:seconds")
+    ap.add_argument("--wrapper", choices=["optimizer", "ddp", "crossbarrier"], default="optimizer")
     args = ap.parse_args()
     hvd.init()
     started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
@@ -47,14 +70,23 @@ def main() -> None:
     digits = load_digits()
     data = torch.utils.data.TensorDataset(torch.tensor(digits.data, dtype=torch.float32) / 16,
                                           torch.tensor(digits.target))
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model.named_parameters(),
-        compression=hvd.Compression.adtopk(ratio=0.05), overlap=args.when == "mid-push")
+    net = MLP()
+    slow_at, slow_s = (int(args.slow.split(":")[0]), float(args.slow.split(":")[1])) \
+        if args.slow and kill_at < 0 else (-1, 0.0)
+    compression = hvd.Compression.adtopk(ratio=0.05)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = net
+    if args.wrapper == "optimizer":
+        optimizer = hvd.DistributedOptimizer(sgd, net.named_parameters(), compression=compression,
+                                             overlap=args.when == "mid-push")
+    elif args.wrapper == "ddp":
+        model, optimizer = DistributedDataParallel(net, compression=compression), sgd
+    else:
+        optimizer = CrossBarrier(net, sgd, net.named_parameters(), compression=compression)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=args.seed)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
                                    epoch=0, batch=0, step=0, seen={})
-    lost_at = []
+    lost_at, slowed = [], []
     state.register_reset_callbacks([lambda: lost_at.append(time.time())])
 
     @hvd.elastic.run
@@ -71,6 +103,9 @@ def main() -> None:
                     print(f"worker {started_as}: pausing for {args.pause_s} s", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
                 optimizer.zero_grad()
+                if state.step == slow_at and not slowed:  # once: not again when the step is redone
+                    slowed.append(state.step)
+                    net.pause = slow_s
                 torch.nn.functional.cross_entropy(model(x), y).backward()
                 if state.step == kill_at and args.when == "mid-push":
                     time.sleep(0.05)  # with overlap, the pushes have left; the answers have not
@@ -93,6 +128,8 @@ def main() -> None:
                 state.commit()
 
     train(state)
+    if args.wrapper == "crossbarrier":
+        optimizer.synchronize()  # the last step's updates
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
     with torch.no_grad():  # on every digit: a figure to set runs against each other, not a test score
         x, y = data.tensors
