@@ -147,7 +147,7 @@ class Server:
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
             send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc),
-                                        **({"epoch": epoch} if epoch else {})), identity)
+                                        **wire.epoch_field(epoch)), identity)
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
@@ -157,14 +157,9 @@ class Server:
         self.stalls.end(msg.key)
         flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
         frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
-                                 **({"nonfinite": flagged} if flagged else {}), **self._epoch())
+                                 **({"nonfinite": flagged} if flagged else {}), **wire.epoch_field(self.epoch))
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
-
-    def _epoch(self) -> dict:
-        """The header field that tags a message with the membership (none before any re-form,
-        so a job that never re-forms sends what it always sent)."""
-        return {"epoch": self.epoch} if self.epoch else {}
 
     def reshape(self, epoch: int, workers: int) -> None:
         """The workers changed (an elastic job re-formed): every round in progress is of the
@@ -218,7 +213,7 @@ class Server:
         self.stalls.end(key)
         for peer in self.waiting.pop(key, []):
             send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason,
-                                        **self._epoch()), peer)
+                                        **wire.epoch_field(self.epoch)), peer)
 
 
     def check_stalls(self) -> None:
@@ -243,7 +238,7 @@ class Server:
             if not ending:  # once to every worker that waits in one of these rounds
                 peers = {peer for key in stall.keys for peer in self.waiting.get(key, [])}
                 for peer in peers:
-                    send(self.data, wire.encode(Op.STALL, **fields, **self._epoch()), peer)
+                    send(self.data, wire.encode(Op.STALL, **fields, **wire.epoch_field(self.epoch)), peer)
         for stall in abort:  # told once: the scheduler ends the job
             for key in stall.keys:
                 self.stalls.end(key)

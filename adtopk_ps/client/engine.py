@@ -276,7 +276,7 @@ class Engine:
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
-                    marker = wire.encode(Op.FINISH, sender=self.rank, **self._epoch())
+                    marker = wire.encode(Op.FINISH, sender=self.rank, **wire.epoch_field(self.epoch))
                     for sock in servers:
                         send(sock, marker)
                     link.finish(fields["failed"], fields["status"])
@@ -308,23 +308,14 @@ class Engine:
             f"{x.get('lost', 'a worker was lost')}; the job goes on with {x['num_workers']} "
             f"worker(s), this one now rank {x['rank']} (epoch {x['epoch']}): go back to the last "
             f"committed state")
-        with self.lock:
-            jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
-            calls, self._agreements = list(self._agreements.values()), {}
+        with self.lock:  # from here on, a call queues nothing (submit, negotiate)
             # requests of the old membership not yet sent go too (a finish stays)
             self._commands = [c for c in self._commands if c[0] == Op.FINISH]
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
             self.changed = error
-        parts = [p for waiting in self._inflight.values() for p in waiting]
-        self._inflight.clear()
         self.rounds.clear()
         log.warning("worker %d: %s", self.rank, error)
-        for job in jobs:
-            job.handle.fail(error)
-        for part in parts:
-            part.handle.fail(error)
-        for call in calls:
-            call.fail(error)
+        self._fail_all(error)
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
         """Raise when a server's connection closed for good, or never opened within the
@@ -380,7 +371,7 @@ class Engine:
             self.rounds[key] = rnd + 1
             flag = {"nonfinite": True} if payload.nonfinite else {}
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
-                                 **flag, **self._epoch())
+                                 **flag, **wire.epoch_field(self.epoch))
             self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname))
@@ -438,18 +429,17 @@ class Engine:
                     server, x.get("seconds", 0), x.get("missing"), ", ".join(names[:8]),
                     " ..." if len(names) > 8 else "")
 
-    def _epoch(self) -> dict:
-        """The header field that tags a push with the membership (none before any re-form)."""
-        return {"epoch": self.epoch} if self.epoch else {}
-
     def _fail_all(self, error: BaseException) -> None:
+        """Fail every queued tensor, every key in flight and every request waiting for the
+        scheduler with ``error``, and forget them (the engine ends, or the job re-formed)."""
         with self.lock:
-            jobs, self._jobs = self._jobs + self._in_hand, []
-            self._in_hand = []
+            jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
             calls, self._agreements = list(self._agreements.values()), {}
+        parts = [p for waiting in self._inflight.values() for p in waiting]
+        self._inflight.clear()
         for job in jobs:
             job.handle.fail(error)
-        for part in (p for parts in self._inflight.values() for p in parts):
+        for part in parts:
             part.handle.fail(error)
         for call in calls:
             call.fail(error)

@@ -275,8 +275,7 @@ class Scheduler:
                     node.rank = next(free)
                 if node.role == role:
                     node.started_as = node.rank
-        servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
-        book = [n.address for n in servers]
+        book = self._book()
         for node in self.nodes.values():
             self._reply(node.identity, Op.ADDRESSBOOK, rank=node.rank, servers=book,
                         num_workers=self.config.num_workers)
@@ -286,6 +285,11 @@ class Scheduler:
         if formed:
             with open(formed, "w"):
                 pass
+
+    def _book(self) -> list[str]:
+        """The servers' addresses by rank: what every node connects to."""
+        servers = sorted((n for n in self.nodes.values() if n.role == "server"), key=lambda n: n.rank)
+        return [n.address for n in servers]
 
     def _negotiate(self, node: Node, msg: wire.Message) -> None:
         """A worker's request for a collective, or word that it waits for one; one sent before
@@ -418,8 +422,7 @@ class Scheduler:
         if reformed:
             with open(reformed, "a") as out:
                 out.write(f"{lost.started_as}\n")
-        book = [n.address for n in sorted((n for n in self.nodes.values() if n.role == "server"),
-                                          key=lambda n: n.rank)]
+        book = self._book()
         for node in self.nodes.values():
             self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
                         num_workers=self.workers, servers=book, lost=what)

@@ -229,13 +229,13 @@ class SchedulerLink:
         """Ask the scheduler to agree a collective (coordinator.py); it answers ``agreed``
         with ``reqid`` as the round. ``epoch``: the membership the request is made in (an
         elastic job's; the scheduler drops one of an older membership)."""
-        self._send(Op.NEGOTIATE, round=reqid, **fields, **({"epoch": epoch} if epoch else {}))
+        self._send(Op.NEGOTIATE, round=reqid, **fields, **wire.epoch_field(epoch))
 
     def block(self, reqid: int, waiting: bool, withdraw: bool = False, epoch: int = 0) -> None:
         """Say that this worker now waits for request ``reqid``, no longer does, or (with
         ``withdraw``) gives it up (``epoch``: as for :meth:`negotiate`)."""
         self._send(Op.BLOCKED, round=reqid, waiting=waiting, withdraw=withdraw,
-                   **({"epoch": epoch} if epoch else {}))
+                   **wire.epoch_field(epoch))
 
     def finish(self, failed: str | None = None, status: int = 1) -> None:
         """Tell the scheduler this node is done, so its going quiet is not a loss; ``failed``:

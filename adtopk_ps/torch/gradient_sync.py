@@ -339,9 +339,10 @@ class GradientSync:
             elif averaged is not p.grad:
                 p.grad.copy_(averaged)
         if self._settings[2]:  # summed: the servers answer averages; the sum is W times that
+            workers = client().size
             for _, p in self._named:
                 if p.grad is not None:
-                    p.grad.mul_(client().size)
+                    p.grad.mul_(workers)
         self._passes.clear()
         self.guard.inspect(waited, self._steps, client().rank, self.members)
         self._follow_requires_grad()

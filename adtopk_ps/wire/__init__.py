@@ -17,7 +17,7 @@ Example::
 """
 from adtopk_ps.wire.frames import payload_nbytes
 from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op,
-                                     WireError, decode, encode, envelope)
+                                     WireError, decode, encode, envelope, epoch_field)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
-           "decode", "encode", "envelope", "payload_nbytes"]
+           "decode", "encode", "envelope", "epoch_field", "payload_nbytes"]

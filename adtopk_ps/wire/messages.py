@@ -156,6 +156,17 @@ def _check_nonfinite(op: Op, flag: object) -> None:
         raise WireError(f"{op} carries no 'nonfinite' field; only push and result do")
 
 
+def epoch_field(epoch: int) -> dict:
+    """The header field that tags a message with an elastic job's membership: none before
+    any re-form (epoch 0), so that a job that never re-forms sends what it always sent.
+
+    Example::
+
+        wire.encode(Op.PUSH, key=7, payload=p, **wire.epoch_field(engine.epoch))
+    """
+    return {"epoch": epoch} if epoch else {}
+
+
 def envelope(frames: Sequence) -> tuple[int, int]:
     """Best-effort (key, round) of a message that ``decode`` refused, so the error reply
     reaches the push it is about (a message over the size limit still has a readable
