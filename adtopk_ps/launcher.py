@@ -18,6 +18,7 @@ stops every role (SIGTERM, then SIGKILL) and exits 130 or 143.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import shutil
@@ -111,8 +112,11 @@ def free_port() -> int:
 
 
 def run_local(num_workers: int, num_servers: int, command: Sequence[str],
-              timeout: float | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """A whole cluster on this host; returns the first failure's status, or 0."""
+              timeout: float | None = None, environ: Mapping[str, str] | None = None,
+              restarts: int = 0) -> int:
+    """A whole cluster on this host; returns the first failure's status, or 0. ``restarts``
+    (an elastic job): a worker that dies is started again, up to that many times in all, and
+    joins the running job."""
     base = keep_freed_memory(os.environ if environ is None else environ)
     base.update({
         "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
@@ -122,29 +126,80 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     })
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
-    elastic = bool(base.get("PS_MIN_WORKERS", "").strip()) and \
-        env_int("PS_MIN_WORKERS", minimum=1, environ=base) < num_workers
+    elastic = any(base.get(v, "").strip() for v in ("PS_MIN_WORKERS", "PS_MAX_WORKERS"))
     lock = threading.Lock()
     formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
     reformed = formed.parent / "reformed"  # the workers an elastic job went on without
 
-    def left_behind() -> set[int]:
-        return {int(w) for w in reformed.read_text().split()} if reformed.exists() else set()
+    def changes(event: str) -> list[int]:
+        lines = reformed.read_text().splitlines() if reformed.exists() else []
+        return [int(line.split()[1]) for line in lines if line.split()[0] == event]
+
+    def worker(i: int) -> Child:
+        return Child(f"worker {i}", command, {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
+                                              "PS_DEVICE_INDEX": str(i)}, lock)
     children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
                       {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed),
                        "PS_REFORMED_FILE": str(reformed)}, lock)]
     children += [Child(f"server {i}", _python_module(SERVER_MODULE),
                        {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                  for i in range(num_servers)]
-    children += [Child(f"worker {i}", command,
-                       {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
-                        "PS_DEVICE_INDEX": str(i)}, lock)
-                 for i in range(num_workers)]
+    children += [worker(i) for i in range(num_workers)]
+    again = _Restarts(restarts, children[0], children[-num_workers:], worker,
+                      lambda: changes("joined")) if elastic and restarts else None
     try:
         return supervise(children, grace, timeout, workers=children[-num_workers:],
-                         formed=formed.exists, left_behind=left_behind if elastic else None)
+                         formed=formed.exists,
+                         left_behind=(lambda: changes("lost")) if elastic else None, restart=again)
     finally:
         shutil.rmtree(formed.parent, ignore_errors=True)
+
+
+class _Restarts:
+    """``bpslaunch --local --restarts N``: a worker that dies is started again (the same
+    DMLC_WORKER_ID) while the job runs, up to N times in all, and joins the running job. One
+    that never joined because the job finished first is stopped then, and is no failure."""
+
+    def __init__(self, limit: int, scheduler: Child, workers: Sequence[Child],
+                 start: Callable[[int], Child], joined: Callable[[], list[int]]):
+        self.limit, self.scheduler, self.workers = limit, scheduler, list(workers)
+        self.start, self.joined = start, joined
+        self.made: list[Child] = []
+        self.stopped: list[Child] = []  # stragglers stopped after the job finished
+
+    def __call__(self, dead: Child) -> Child | None:
+        """A new process for ``dead``, or None: no restarts left, or the job is ending."""
+        if len(self.made) >= self.limit or self.scheduler.poll() is not None or \
+                any(w.poll() == 0 for w in self.workers):
+            return None
+        wid = int(dead.label.split()[-1])
+        print(f"[bpslaunch] restarting {dead.label} (restart {len(self.made) + 1} of "
+              f"{self.limit}): it joins the running job", file=sys.stderr, flush=True)
+        child = self.start(wid)
+        self.made.append(child)
+        self.workers.append(child)
+        return child
+
+    def never_joined(self, child: Child) -> bool:
+        """A restarted worker that the job never took in: the scheduler records each join by
+        DMLC_WORKER_ID, and a worker's restarts register in the order they were made."""
+        if child not in self.made:
+            return False
+        wid = child.label.split()[-1]
+        same = [c for c in self.made if c.label.split()[-1] == wid]
+        return same.index(child) >= self.joined().count(int(wid))
+
+    def stop_stragglers(self) -> None:
+        """After the job finished (the scheduler exited 0): stop the restarts still waiting
+        to join it."""
+        if self.scheduler.poll() != 0:
+            return
+        for child in self.made:
+            if child.poll() is None and child not in self.stopped and self.never_joined(child):
+                self.stopped.append(child)
+                print(f"[bpslaunch] {child.label} (restarted) never joined: the job finished "
+                      f"first; stopping it", file=sys.stderr, flush=True)
+                child.kill()
 
 
 USAGE_ERROR = 2  # what our roles and the training job exit with on a usage or config error
@@ -153,7 +208,8 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 
 def supervise(children: list[Child], grace: float, timeout: float | None,
               workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
-              left_behind: Callable[[], set[int]] | None = None) -> int:
+              left_behind: Callable[[], list[int]] | None = None,
+              restart: _Restarts | None = None) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
 
@@ -168,12 +224,13 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
     then SIGKILL after ``STOP_GRACE`` seconds.
 
-    ``left_behind`` (an elastic job, ``PS_MIN_WORKERS``): the ids of the workers the
-    scheduler re-formed the job without. A worker that fails after the cluster formed is
-    judged when the job ends: no failure where the job went on without it, a failure
-    otherwise (one that exits non-zero on its own, say).
+    ``left_behind`` (an elastic job): the ids of the workers the scheduler re-formed the job
+    without, once for each time. A worker that fails after the cluster formed is judged when
+    the job ends: no failure where the job went on without it, a failure otherwise (one that
+    exits non-zero on its own, say). ``restart``: new processes for such workers, which join
+    the running job (:class:`_Restarts`).
     """
-    job = _Supervision(children, grace, timeout, workers if left_behind else (), formed)
+    job = _Supervision(children, grace, timeout, workers if left_behind else (), formed, restart)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -184,6 +241,8 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
         while job.running():
             now = time.monotonic()
             job.record_exits(now)
+            if restart is not None:
+                restart.stop_stragglers()
             if formed is not None:
                 job.check_unformed(now, workers, formed)
             if interrupted and job.term_at is None:
@@ -203,9 +262,13 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     if interrupted:
         return 128 + interrupted[0]
     if left_behind is not None:
-        gone = left_behind()
-        job.failures += [(child.ended_at, child.code) for child in job.deferred
-                         if int(child.label.split()[-1]) not in gone]
+        gone = collections.Counter(left_behind())
+        for child in job.deferred:
+            wid = int(child.label.split()[-1])
+            if gone[wid] > 0:
+                gone[wid] -= 1
+            elif restart is None or not (restart.never_joined(child) and restart.scheduler.code == 0):
+                job.failures.append((child.ended_at, child.code))
     return min(job.failures)[1] if job.failures else 0
 
 
@@ -215,8 +278,9 @@ class _Supervision:
     over (``stop_at``), or SIGTERM (``term_at``) then SIGKILL (``kill_at``)."""
 
     def __init__(self, children: list[Child], grace: float, timeout: float | None,
-                 spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None):
-        self.children, self.grace, self.timeout = children, grace, timeout
+                 spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
+                 restart: _Restarts | None = None):
+        self.children, self.grace, self.timeout, self.restart = children, grace, timeout, restart
         self.spare, self.formed = [id(c) for c in spare], formed  # workers the job can lose
         self.deferred: list[Child] = []  # spare workers that failed: judged at the end
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -242,6 +306,10 @@ class _Supervision:
                       f"job (PS_MIN_WORKERS): the scheduler decides whether it goes on",
                       file=sys.stderr, flush=True)
                 self.deferred.append(child)
+                again = self.restart(child) if self.restart is not None else None
+                if again is not None:
+                    self.children.append(again)
+                    self.spare.append(id(again))
                 continue
             self.failures.append((child.ended_at, child.code))
             if len(self.failures) == 1:
@@ -377,6 +445,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="with --local: an elastic job (PS_MIN_WORKERS) that goes on without a "
                          "lost worker while this many remain; a worker's death is then no "
                          "failure of the job")
+    ap.add_argument("--restarts", type=int, default=0,
+                    help="with --local: start a worker that dies again, up to this many times "
+                         "in all; it joins the running job (elastic: --min-workers defaults to "
+                         "--num-workers)")
     ap.add_argument("command", nargs=argparse.REMAINDER, help="the worker command")
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -389,9 +461,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.min_workers is not None and not 1 <= args.min_workers <= args.num_workers:
                 raise EnvError(f"--min-workers must be between 1 and --num-workers "
                                f"({args.num_workers}), got {args.min_workers}")
-            environ = None if args.min_workers is None else \
-                {**os.environ, "PS_MIN_WORKERS": str(args.min_workers)}
-            return run_local(args.num_workers, args.num_servers, command, args.timeout, environ)
+            if args.restarts < 0:
+                raise EnvError(f"--restarts must not be negative, got {args.restarts}")
+            minimum = args.num_workers if args.min_workers is None and args.restarts else \
+                args.min_workers
+            environ = None if minimum is None else {**os.environ, "PS_MIN_WORKERS": str(minimum)}
+            return run_local(args.num_workers, args.num_servers, command, args.timeout, environ,
+                             args.restarts)
         return run_role(command)
     except EnvError as exc:
         print(f"bpslaunch: {exc}", file=sys.stderr)

@@ -13,22 +13,29 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from adtopk_ps.testing.stats import kill_to_next_step
+from adtopk_ps.testing.stats import join_to_first_step, kill_to_next_step
 from procs import FAST, bpslaunch
 
 PROGRAM = str(Path(__file__).resolve().parent / "programs" / "elastic_train.py")
 STEPS = 16
 GOAL_S = 3.0
+JOIN_GOAL_S = 5.0  # from a joiner's registration to its first step
+# a kill is seen by its closed connections (1 s), not by heartbeats: a heartbeat timeout well
+# above that keeps a process starved for 2 s on a loaded machine from being taken for lost
+ELASTIC = {"PS_HEARTBEAT_TIMEOUT_MS": "6000"}
 
 
-def elastic_job(workers: int, servers: int, minimum: int, *args: str, steps: int = STEPS):
+def elastic_job(workers: int, servers: int, minimum: int, *args: str, steps: int = STEPS,
+                launcher: tuple[str, ...] = ()):
     return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
-                     "--min-workers", str(minimum), "--timeout", "100", "--",
-                     sys.executable, PROGRAM, "--steps", str(steps), *args, timeout=130)
+                     "--min-workers", str(minimum), "--timeout", "100", *launcher, "--",
+                     sys.executable, PROGRAM, "--steps", str(steps), *args, timeout=130,
+                     env=ELASTIC)
 
 
 def survivors(out: str) -> list[tuple[int, str, int]]:
@@ -37,11 +44,11 @@ def survivors(out: str) -> list[tuple[int, str, int]]:
             re.finditer(r"done step=(\d+) size=(\d+) digest=(\w+)", out)]
 
 
-def check_finished(result, workers: int, goal_s: float = GOAL_S) -> list[float]:
-    assert result.returncode == 0, result.stdout[-4000:]
+def check_finished(result, workers: int, goal_s: float = GOAL_S, steps: int = STEPS) -> list[float]:
+    assert result.returncode == 0, result.stdout  # whole: the first failure may come early
     done = survivors(result.stdout)
-    assert len(done) == workers, result.stdout[-4000:]
-    assert {(step, size) for step, _, size in done} == {(STEPS, workers)}
+    assert len(done) == workers, result.stdout
+    assert {(step, size) for step, _, size in done} == {(steps, workers)}
     assert len({digest for _, digest, _ in done}) == 1, done  # bit-identical replicas
     gaps = kill_to_next_step(result.stdout)
     assert all(gap <= goal_s for gap in gaps), gaps
@@ -78,16 +85,56 @@ def test_workers_killed_at_once_and_while_the_others_re_form():
                                "--kill=0:6"), 2)
 
 
-def test_below_the_minimum_the_job_ends_naming_why():
-    result = elastic_job(3, 1, 2, "--kill=1:3", "--kill=2:8")
+def test_below_the_minimum_the_job_waits_for_a_join_then_ends_naming_why():
+    started = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "1", "--min-workers", "2",
+                       "--timeout", "100", "--", sys.executable, PROGRAM, "--steps", str(STEPS),
+                       "--kill=1:3", "--kill=2:8", timeout=130,
+                       env={**ELASTIC, "PS_ELASTIC_TIMEOUT_S": "4"})
     assert result.returncode != 0
-    assert "only 1 worker(s) would remain, below PS_MIN_WORKERS=2" in result.stdout
+    # the survivor and the scheduler say what they wait for while they wait, then why it ended
+    assert "only 1 worker(s) remain, below PS_MIN_WORKERS=2: waiting up to 4 s " \
+           "(PS_ELASTIC_TIMEOUT_S) for 1 more to join" in result.stdout, result.stdout
+    assert re.search(r"\[worker 0\] .*waiting up to 4 s", result.stdout), result.stdout
+    assert "and no worker joined to make up the rest within 4 s (PS_ELASTIC_TIMEOUT_S)" \
+        in result.stdout, result.stdout
     assert not survivors(result.stdout)
+    assert time.monotonic() - started < 60
+
+
+def test_a_restarted_worker_joins_the_running_job():
+    # worker 1 dies at step 5; bpslaunch starts it again and it joins: parameters, optimizer
+    # state and step counter from a survivor, then the job ends with all 3, bit-identical
+    result = elastic_job(3, 2, 2, "--kill=1:5", "--step-s=0.15", steps=50,
+                         launcher=("--restarts", "1"))
+    check_finished(result, 3, steps=50)
+    joins = join_to_first_step(result.stdout)
+    assert len(joins) == 1 and joins[0] <= JOIN_GOAL_S, joins
+    assert "restarting worker 1 (restart 1 of 1)" in result.stdout
+
+
+def test_below_the_minimum_a_joiner_lets_the_job_go_on():
+    # 2 workers, at least 2: the loss pauses the job (the survivor waits) until the
+    # restarted worker joins
+    result = elastic_job(2, 2, 2, "--kill=1:5", "--step-s=0.1", steps=30,
+                         launcher=("--restarts", "1"))
+    check_finished(result, 2, steps=30)
+    assert "waiting up to 600 s (PS_ELASTIC_TIMEOUT_S) for 1 more to join" in result.stdout
+    assert len(join_to_first_step(result.stdout)) == 1
+
+
+def test_a_worker_killed_as_it_joins_leaves_the_others_training(tmp_path):
+    # the first restart of worker 1 kills itself as it builds its optimizer, whose agreement
+    # the others wait in (they re-formed for it); the second restart gets in
+    result = elastic_job(3, 2, 2, "--kill=1:4", f"--kill-joiner={tmp_path / 'once'}",
+                         "--step-s=0.15", steps=60, launcher=("--restarts", "2"))
+    check_finished(result, 3, steps=60)
+    assert result.stdout.count("restarting worker 1") == 2
 
 
 def test_a_worker_that_is_only_slow_is_not_evicted():
-    # stopped for 1 s, under the heartbeat timeout (2 s): nobody re-forms
-    result = elastic_job(3, 2, 2, "--pause=1:6", "--pause-s=1.0")
+    # stopped for 3 s, under the heartbeat timeout (6 s): nobody re-forms
+    result = elastic_job(3, 2, 2, "--pause=1:6", "--pause-s=3.0")
     check_finished(result, 3)
     assert "re-formed" not in result.stdout and "lost" not in result.stdout
 
@@ -133,7 +180,7 @@ def test_servers_that_hear_of_two_re_forms_late_keep_the_pushes_of_both():
            "--num-servers", "2", "--min-workers", "2", "--timeout", "100", "--", sys.executable,
            PROGRAM, "--steps", str(STEPS), "--kill=2:5", "--kill=3:5"]
     # heartbeats that outlast the stop: the servers are late, not lost
-    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST, "PS_HEARTBEAT_TIMEOUT_MS": "6000"},
+    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST, **ELASTIC},
                                 stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     lines, stopped = [], []
@@ -177,7 +224,7 @@ def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
     ctx = zmq.Context()
     engine = Engine(config, ctx)  # its thread is never started
     try:
-        engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "lost": "worker 1 lost"})
+        engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "what": "worker 1 lost"})
         with pytest.raises(MembershipChanged, match="worker 1 lost; the job goes on with 1"):
             engine.submit(0, None, None, None, None, 0, None)
         with pytest.raises(MembershipChanged):
@@ -186,4 +233,36 @@ def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
     finally:
         engine.stop(0)
         engine._wake_in.close(0)  # (the thread that closes it never ran)
+        ctx.term()
+
+
+def test_an_acknowledgement_waits_until_the_old_membership_has_failed():
+    # a worker that acknowledges a re-form while the engine is still failing the old
+    # membership's calls could queue a request that fails there and still goes out (the
+    # scheduler then sees it twice): acknowledgements wait for the end of the re-form, and
+    # below the minimum for the next one
+    import zmq
+
+    from adtopk_ps.client.engine import Engine
+    from adtopk_ps.cluster.membership import ClusterConfig
+    from adtopk_ps.torch.elastic import HostsUpdatedInterrupt
+    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
+                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                     "DMLC_PS_ROOT_PORT": "9"})
+    ctx = zmq.Context()
+    engine = Engine(config, ctx)  # its thread is never started
+    seen = []
+    fail_all = engine._fail_all
+    engine._fail_all = lambda error: (seen.append(engine.resumed.is_set()), fail_all(error))
+    try:
+        engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "what": "worker 1 lost",
+                         "waiting": "only 1 worker(s) remain"})
+        assert seen == [False] and not engine.resumed.is_set()  # paused: it waits on
+        engine._reshape({"epoch": 2, "rank": 0, "num_workers": 2, "what": "worker 1 joined",
+                         "joined": True})
+        assert seen == [False, False] and engine.resumed.is_set()
+        assert isinstance(engine.changed, HostsUpdatedInterrupt)  # joins only: horovod's name
+    finally:
+        engine.stop(0)
+        engine._wake_in.close(0)
         ctx.term()

@@ -62,10 +62,15 @@ class PushPullError(RuntimeError):
 
 
 class MembershipChanged(RuntimeError):
-    """The workers changed (an elastic job re-formed without a lost worker): every push and
+    """The workers changed (an elastic job re-formed: a worker lost or joined): every push and
     collective in flight was abandoned, and every call fails with this until the caller
     acknowledges it (:meth:`~adtopk_ps.client.ps_client.PSClient.acknowledge_membership`),
     having gone back to its last committed state (``adtopk_ps.torch.elastic``)."""
+
+
+class HostsUpdatedInterrupt(MembershipChanged):
+    """The workers changed by joins only: nothing was lost, though the step in flight was
+    abandoned all the same (horovod's name; caught wherever :class:`MembershipChanged` is)."""
 
 
 class Negotiation(Protocol):
@@ -116,6 +121,12 @@ class Engine:
         self.epoch = 0  # the membership's (elastic jobs): pushes and answers carry it
         # the last re-form's error, until the caller acknowledges it: every call raises it
         self.changed: MembershipChanged | None = None
+        # clear while a re-form is taken in, and while the job waits below its minimum for
+        # workers to join (what it says then in ``waiting``); set again once the re-form is
+        # (the next, when waiting), or when the engine ends
+        self.resumed = threading.Event()
+        self.resumed.set()
+        self.waiting = ""
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: list[Job] = []  # between the queue and the wire
@@ -213,6 +224,8 @@ class Engine:
         try:
             book = link.register()
             self.rank, self.servers = link.rank, list(book["servers"])
+            # a worker that joined a running elastic job: its membership's
+            self.epoch, self.size = book.get("epoch", 0), book.get("num_workers", self.size)
             for address in book["servers"]:
                 sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
                                    curve="client", data=self.config)
@@ -228,6 +241,7 @@ class Engine:
                 log.exception("worker engine failed")
             self.error = exc if isinstance(exc, ClusterError) else ClusterError(f"engine failed: {exc}")
             self._ready.set()
+            self.resumed.set()
             self._fail_all(self.error)
         finally:
             for watch in watches:
@@ -303,12 +317,19 @@ class Engine:
     def _reshape(self, x: dict) -> None:
         """The job re-formed: this worker's new rank and the number of workers; every push,
         queued tensor and collective of the old membership fails with
-        :class:`MembershipChanged`, and every key's rounds start again at 0."""
-        error = MembershipChanged(
-            f"{x.get('lost', 'a worker was lost')}; the job goes on with {x['num_workers']} "
-            f"worker(s), this one now rank {x['rank']} (epoch {x['epoch']}): go back to the last "
-            f"committed state")
+        :class:`MembershipChanged`, and every key's rounds start again at 0. ``waiting``: the
+        job is below its minimum and waits for workers to join (the caller waits in
+        :meth:`~adtopk_ps.client.ps_client.PSClient.acknowledge_membership` until it re-forms)."""
+        what, waiting = x.get("what", "the workers changed"), x.get("waiting", "")
+        kind = HostsUpdatedInterrupt if x.get("joined") else MembershipChanged
+        error = kind(f"{what}; {waiting}" if waiting else
+                     f"{what}; the job goes on with {x['num_workers']} worker(s), this one now "
+                     f"rank {x['rank']} (epoch {x['epoch']}): go back to the last committed state")
         with self.lock:  # from here on, a call queues nothing (submit, negotiate)
+            # an acknowledgement waits until everything of the old membership has failed: one
+            # that came between here and _fail_all would let a request through that fails
+            # below and still goes out
+            self.resumed.clear()
             # requests of the old membership not yet sent go too (a finish stays)
             self._commands = [c for c in self._commands if c[0] == Op.FINISH]
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
@@ -316,6 +337,9 @@ class Engine:
         self.rounds.clear()
         log.warning("worker %d: %s", self.rank, error)
         self._fail_all(error)
+        self.waiting = waiting
+        if not waiting:
+            self.resumed.set()
 
     def _check_servers(self, watches: list[PeerWatch], finishing: bool) -> None:
         """Raise when a server's connection closed for good, or never opened within the

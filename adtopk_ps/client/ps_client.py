@@ -13,6 +13,7 @@ every worker, with the same error.
 """
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import Callable
@@ -33,6 +34,9 @@ from adtopk_ps.core.timing import fastest
 WIRE_FLOATS = tuple(FLOAT_DTYPES.values())  # the dtypes a push carries
 PRUNE_AT = 1024  # collectives remembered by name before the finished ones are dropped
 _UNNAMED = re.compile(r"^(.*)\.noname\.(\d+)$")
+WAITING_NOTICE_S = 5.0  # between the notices of a worker waiting for others to join
+
+log = logging.getLogger("adtopk_ps")
 
 __all__ = ["CollectiveError", "PSClient"]
 
@@ -253,7 +257,13 @@ class PSClient:
     def acknowledge_membership(self) -> None:
         """The caller has gone back to its last committed state after
         :class:`~adtopk_ps.client.engine.MembershipChanged`: calls go through again, among
-        the new membership."""
+        the new membership. While the job waits below its minimum for workers to join, this
+        waits with it (saying so every few seconds), up to the scheduler's timeout."""
+        engine = self._engine
+        while not engine.resumed.wait(WAITING_NOTICE_S):
+            log.warning("worker %d: %s", engine.rank, engine.waiting)
+        if engine.error is not None:
+            raise engine.error
         with self._engine.lock:
             self._engine.changed = None
         self._last.clear()

@@ -46,14 +46,24 @@ class ClusterConfig:
     heartbeat_timeout: float
     partition_bytes: int
     verbose: int | None  # PS_VERBOSE; None where unset
-    # PS_MIN_WORKERS: below num_workers the job is elastic, re-forming without a lost worker
-    # while at least this many remain
+    # PS_MIN_WORKERS / PS_MAX_WORKERS (either makes the job elastic): it re-forms without a
+    # lost worker while at least min_workers remain (below, it waits for one to join), and
+    # takes in workers that join while fewer than max_workers run
     min_workers: int | None = None
+    max_workers: int | None = None
+    elastic_timeout: float = 600.0  # PS_ELASTIC_TIMEOUT_S: how long it waits below the minimum
 
     @property
     def elastic(self) -> bool:
-        """Whether a lost worker leaves the job going with the rest (``PS_MIN_WORKERS``)."""
-        return self.min_workers is not None and self.min_workers < self.num_workers
+        """Whether the workers may change while the job runs (``PS_MIN_WORKERS`` or
+        ``PS_MAX_WORKERS`` set)."""
+        return self.min_workers is not None or self.max_workers is not None
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        """(min, max) workers of an elastic job; each defaults to ``DMLC_NUM_WORKER``."""
+        return (self.num_workers if self.min_workers is None else self.min_workers,
+                self.num_workers if self.max_workers is None else self.max_workers)
 
     @property
     def scheduler_address(self) -> str:
@@ -88,12 +98,17 @@ class ClusterConfig:
                 raise EnvError(f"environment variable BYTEPS_LOCAL_RANK={local_rank} must be below "
                                f"BYTEPS_LOCAL_SIZE={local_size}")
             worker_id = host_id * local_size + local_rank
-        min_workers = None
+        min_workers = max_workers = None
         if env.get("PS_MIN_WORKERS", "").strip():
             min_workers = env_int("PS_MIN_WORKERS", minimum=1, environ=env)
             if min_workers > num_workers:
                 raise EnvError(f"environment variable PS_MIN_WORKERS={min_workers} must not be "
                                f"above the {num_workers} workers (DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)")
+        if env.get("PS_MAX_WORKERS", "").strip():
+            max_workers = env_int("PS_MAX_WORKERS", minimum=1, environ=env)
+            if max_workers < num_workers:
+                raise EnvError(f"environment variable PS_MAX_WORKERS={max_workers} must not be "
+                               f"below the {num_workers} workers (DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)")
         hb_ms = env_int("PS_HEARTBEAT_INTERVAL_MS", 500, minimum=10, environ=env)
         timeout_ms = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, minimum=2 * hb_ms, environ=env)
         return cls(
@@ -111,6 +126,8 @@ class ClusterConfig:
             verbose=env_int("PS_VERBOSE", minimum=0, environ=env)
             if env.get("PS_VERBOSE", "").strip() else None,
             min_workers=min_workers,
+            max_workers=max_workers,
+            elastic_timeout=float(env_int("PS_ELASTIC_TIMEOUT_S", 600, minimum=1, environ=env)),
         )
 
     def apply_verbosity(self) -> None:

@@ -5,12 +5,10 @@ every node its rank and the servers' addresses, agrees every collective by
 name before its data moves (coordinator.py), answers heartbeats, and
 when a node's connection closes (it crashed or was killed) or it goes
 silent (it hangs) tells everyone which one, so the job ends with a clear
-error instead of a hang. In an elastic job (``PS_MIN_WORKERS`` below the
-workers) a lost worker instead re-forms the job without it: a new epoch,
-the survivors renumbered 0..W-2, told to every node at once (``reshape``),
-so that servers drop the rounds of the old membership and workers go back to
-their last committed state. When every worker has finished it tells the
-servers to shut down and exits 0.
+error instead of a hang. In an elastic job (``PS_MIN_WORKERS``,
+``PS_MAX_WORKERS``) the workers may change instead: a lost worker re-forms
+the job without it, a worker that registers late joins it (reform.py). When
+every worker has finished it tells the servers to shut down and exits 0.
 
     DMLC_ROLE=scheduler ... python -m adtopk_ps.cluster.scheduler
 """
@@ -28,6 +26,7 @@ from adtopk_ps import wire
 from adtopk_ps.cluster.coordinator import Coordinator, Outgoing
 from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
+from adtopk_ps.cluster.reform import Reforming
 from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make_socket,
                                          register_timeout, send)
 from adtopk_ps.core.env import EnvError, env_int
@@ -49,16 +48,22 @@ class Node:
     finished: bool = False
     closed_at: float | None = None  # when that connection closed, until another carries it
     started_as: int = -1  # its rank when the job formed (an elastic job renumbers workers)
+    joined: int = -1  # the epoch it joined the running job in (an elastic job's)
 
     @property
     def label(self) -> str:
         """How messages name the node: role, rank (and the one it started as, where an elastic
-        re-form changed it) and address."""
+        re-form changed it, or the epoch it joined in) and address."""
         was = f", started as {self.role} {self.started_as}" if self.started_as != self.rank else ""
-        return f"{self.role} {self.rank}{was} ({self.address})"
+        if self.joined >= 0:
+            was = f", joined in epoch {self.joined}"
+        elif self.rank < 0:
+            was = ", joining"
+        return f"{self.role} {self.rank}{was} ({self.address})" if self.rank >= 0 else \
+            f"{self.role}{was} ({self.address})"
 
 
-class Scheduler:
+class Scheduler(Reforming):
     """The scheduler's state: the nodes, the collectives being agreed and who has finished."""
 
     def __init__(self, config: ClusterConfig, ctx: zmq.Context | None = None):
@@ -83,6 +88,7 @@ class Scheduler:
         self.epoch = 0  # how many times the job has re-formed
         self.grace = env_int("PS_DEADLOCK_GRACE_MS", 500, minimum=0) / 1000
         self.coordinator = Coordinator(config.num_workers, self.grace)
+        self._init_reforming()
 
     def run(self) -> int:
         """Serve until every worker has finished (0; 1 if one ended on an error) or a node
@@ -109,10 +115,9 @@ class Scheduler:
                 if self.started:
                     self._deliver(self.coordinator.tick())
                 lost = self._closed_node() or self._silent_node()
-                if lost is not None and self._can_reform(lost[0]):
-                    self._reform(*lost)
-                elif lost is not None:
-                    return self._lose(*lost)
+                status = self._lost(*lost) if lost is not None else self._check_short()
+                if status is not None:
+                    return status
                 if not self.started and time.monotonic() >= notice:
                     have = self._count()
                     log.info("waiting for %d more server(s) and %d more worker(s); giving up in "
@@ -148,12 +153,14 @@ class Scheduler:
             log.warning("dropped a malformed message from %r: %s", identity, exc)
             self._reply(identity, Op.ERROR, message=str(exc))
             return False
-        node = self.nodes.get(identity)
+        node = self.nodes.get(identity) or self.joining.get(identity)
         if node is not None:
             node.last_seen, node.fd = time.monotonic(), fd
         if msg.op == Op.REGISTER:
             self._register(identity, msg, fd)
-        elif node is None:
+        elif node is not None and node.identity in self.joining and msg.op == Op.HEARTBEAT:
+            self._reply(identity, Op.HEARTBEAT, **self._progress())  # waits to be taken in
+        elif node is None or node.identity in self.joining:
             self._reply(identity, Op.ERROR, message=f"{msg.op} from a node that never registered")
         elif msg.op == Op.HEARTBEAT:
             # until the job starts, a waiting node learns who else is there
@@ -178,8 +185,11 @@ class Scheduler:
         if role == "server":
             wid = msg.extra.get("server_id", -1)  # PS_SERVER_ID: the rank it asks for
         problem = None
-        if self.started:
+        joining = self.started and role == "worker"
+        if self.started and role != "worker":
             problem = "the job has already started"
+        elif joining:
+            problem = self._refuse_join()
         elif role not in ("server", "worker"):
             problem = f"role {role!r} cannot register"
         elif not isinstance(host, str) or not isinstance(port, int) or not isinstance(wid, int):
@@ -203,15 +213,20 @@ class Scheduler:
             problem = (f"this scheduler runs job {job!r} (PS_JOB_ID); the {role} at {host} "
                        f"belongs to job {theirs!r}: a scheduler left from another run on this "
                        f"port?")
+        if problem is None and joining and not isinstance(host, str):
+            problem = "register needs host (str)"
         if problem is None and role in ("server", "worker"):
             problem = self._shape_disagrees(role, host, msg.extra)
-            if problem:
+            if problem and not joining:  # a joiner that disagrees is refused; the job goes on
                 self.fatal = (f"the job cannot run: {problem}", 2)
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, Op.ERROR, message=problem)
             return
         address = f"tcp://{host}:{port}" if role == "server" else f"{host}"
+        if joining:
+            return self._join(Node(identity, role, -1, address, time.monotonic(), fd,
+                                   started_as=wid if isinstance(wid, int) else -1))
         self.nodes[identity] = Node(identity, role, wid, address, time.monotonic(), fd)
         log.info("registered %s at %s", role, address)
         counts = self._count()
@@ -237,7 +252,7 @@ class Scheduler:
     def _end_job(self, why: str, status: int) -> int:
         """End the job at once (roles that disagree, a stall), telling every node why."""
         log.error("%s; ending the job", why)
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.joining.values()]:
             if not node.finished:
                 self._reply(node.identity, Op.NODE_LOST, what=why)
         self._await_hangups(1.0)
@@ -362,7 +377,7 @@ class Scheduler:
 
     def _connection_closed(self, fd: int) -> None:
         now = time.monotonic()
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.joining.values()]:
             if node.fd == fd and not node.finished and node.closed_at is None:
                 node.closed_at = now
 
@@ -371,7 +386,7 @@ class Scheduler:
         the grace (zmq reconnects on its own); before the job starts it is dropped, so
         that a restarted node can take its place."""
         now = time.monotonic()
-        for identity, node in list(self.nodes.items()):
+        for identity, node in [*self.nodes.items(), *self.joining.items()]:
             if node.closed_at is None or node.finished:
                 continue
             if node.last_seen > node.closed_at and node.fd in self.conns.open:
@@ -387,7 +402,7 @@ class Scheduler:
 
     def _silent_node(self) -> tuple[Node, str] | None:
         now = time.monotonic()
-        for identity, node in list(self.nodes.items()):
+        for identity, node in [*self.nodes.items(), *self.joining.items()]:
             if node.finished or now - node.last_seen <= self.config.heartbeat_timeout:
                 continue
             why = f"no heartbeat for {now - node.last_seen:.1f} s"
@@ -397,49 +412,14 @@ class Scheduler:
             del self.nodes[identity]
         return None
 
-    def _can_reform(self, lost: Node) -> bool:
-        """Whether the job goes on without ``lost``: an elastic job, a worker, no worker yet
-        finished (a finished one's rounds are over) and at least ``PS_MIN_WORKERS`` left."""
-        workers = [n for n in self.nodes.values() if n.role == "worker"]
-        return self.config.elastic and lost.role == "worker" and \
-            not any(n.finished for n in workers) and len(workers) - 1 >= self.config.min_workers
-
-    def _reform(self, lost: Node, why: str) -> None:
-        """Go on without ``lost``: a new epoch, the other workers renumbered in their order, and
-        every node told at once (the collectives being agreed are dropped: every worker
-        abandons what it had in flight)."""
-        del self.nodes[lost.identity]
-        self.epoch += 1
-        workers = sorted((n for n in self.nodes.values() if n.role == "worker"), key=lambda n: n.rank)
-        for rank, node in enumerate(workers):
-            node.rank = rank
-        self.workers = len(workers)
-        self.coordinator = Coordinator(self.workers, self.grace)
-        what = f"{lost.label} lost: {why}"
-        log.warning("%s; going on with %d worker(s) (epoch %d, PS_MIN_WORKERS=%d)", what,
-                    self.workers, self.epoch, self.config.min_workers)
-        reformed = os.environ.get("PS_REFORMED_FILE", "").strip()  # bpslaunch --local reads it
-        if reformed:
-            with open(reformed, "a") as out:
-                out.write(f"{lost.started_as}\n")
-        book = self._book()
-        for node in self.nodes.values():
-            self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
-                        num_workers=self.workers, servers=book, lost=what)
-
     def _lose(self, lost: Node, why: str) -> int:
         what = f"{lost.label} lost: {why}"
-        if self.config.elastic:
-            workers = [n for n in self.nodes.values() if n.role == "worker"]
-            if lost.role != "worker":
-                what += "; an elastic job re-forms without a lost worker, not a lost server"
-            elif any(n.finished for n in workers):
-                what += "; a worker has already finished, so the job cannot re-form"
-            else:
-                what += (f"; only {len(workers) - 1} worker(s) would remain, below "
-                         f"PS_MIN_WORKERS={self.config.min_workers}")
+        if self.config.elastic and lost.role != "worker":
+            what += "; an elastic job re-forms without a lost worker, not a lost server"
+        elif self.config.elastic:
+            what += "; a worker has already finished, so the job cannot re-form"
         log.error("%s; telling every node", what)
-        for node in self.nodes.values():
+        for node in [*self.nodes.values(), *self.joining.values()]:
             if node is not lost and not node.finished:
                 self._reply(node.identity, Op.NODE_LOST, what=what)
         self._await_hangups(1.0, skip=lost)  # the notices leave before the socket closes

@@ -42,3 +42,24 @@ def kill_to_next_step(out: str) -> list[float]:
     steps = [(int(n), float(t)) for n, t in re.findall(r"step (\d+) of \d+ at ([\d.]+)", out)]
     kills = sorted((int(d), float(t)) for d, t in re.findall(r"killed after step (\d+) at ([\d.]+)", out))
     return [min(t for n, t in steps if n > done and t > kill) - kill for done, kill in kills]
+
+
+def join_to_first_step(out: str) -> list[float]:
+    """Seconds from each joiner's registration to its first step, from ``bpslaunch --local``'s
+    output of an elastic job (tests/programs/elastic_train.py prints ``joined the running job
+    ..., registering at T`` and then ``step N of W at T``, each line behind its launcher label).
+
+    Example::
+
+        join_to_first_step("[worker 1] w2: joined the running job (epoch 2), registering at "
+                           "10.0\n[worker 1] w2: step 8 of 3 at 11.5")  # [1.5]
+    """
+    lines, gaps = out.splitlines(), []
+    for at, line in enumerate(lines):
+        joined = re.match(r"(\[worker \d+\]) .*joined the running job.*registering at ([\d.]+)", line)
+        if joined:
+            steps = (re.search(r"step \d+ of \d+ at ([\d.]+)", later) for later in lines[at + 1:]
+                     if later.startswith(joined[1]))
+            gaps.append(float(next(s for s in steps if s)[1]) - float(joined[2]))
+    return gaps
+

@@ -1,10 +1,13 @@
-"""horovod's elastic training over the parameter server: lose a worker and keep training.
+"""horovod's elastic training over the parameter server: lose a worker and keep training,
+take in a worker that joins.
 
-In an elastic job (``PS_MIN_WORKERS`` below the workers; ``bpslaunch --min-workers``) the
-scheduler re-forms the job without a worker it lost, within a second or two: the survivors
-are renumbered 0..W-2, the servers drop every round in progress, and every call a survivor
-has in flight, or makes next, raises :class:`HorovodInternalError` (the client's
-:class:`~adtopk_ps.client.engine.MembershipChanged`). :func:`run` catches it, puts the
+In an elastic job (``PS_MIN_WORKERS``, ``PS_MAX_WORKERS``; ``bpslaunch --min-workers``) the
+scheduler re-forms the job without a worker it lost, within a second or two, and with a
+worker that registers into the running job (it goes last): the workers are renumbered,
+the servers drop every round in progress, and every call a worker has in flight, or makes
+next, raises :class:`HorovodInternalError` (the client's
+:class:`~adtopk_ps.client.engine.MembershipChanged`; :class:`HostsUpdatedInterrupt` where
+workers only joined). :func:`run` catches it, puts the
 training state back to its last :meth:`~State.commit`, re-forms what synchronises gradients
 (:meth:`~adtopk_ps.torch.gradient_sync.GradientSync.reset`: the workers agree their set-up
 again), calls the state's reset callbacks, and has every worker take the newest commit any
@@ -25,9 +28,13 @@ horovod's elastic PyTorch scripts run with the import changed::
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, batch=0)
     train(state)
 
+A joiner runs the same script from the top: its optimizer's agreement meets the others'
+re-form, and its first :meth:`~State.sync` hands it the newest commit (parameters, optimizer
+state, step counter, samplers); its error-feedback residuals start at zero.
+
 A commit is a copy in memory (model, optimizer with its error-feedback residuals and step
-count, samplers, any other attributes). Joining workers and lost servers are not handled
-yet: a lost server, or falling below ``PS_MIN_WORKERS``, ends the job as before, naming why.
+count, samplers, any other attributes). Below ``PS_MIN_WORKERS`` the workers wait for
+others to join, up to ``PS_ELASTIC_TIMEOUT_S``; a lost server still ends the job, naming it.
 """
 from __future__ import annotations
 
@@ -40,14 +47,16 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from adtopk_ps.client.engine import MembershipChanged
+from adtopk_ps.client.engine import HostsUpdatedInterrupt, MembershipChanged
 from adtopk_ps.torch.gradient_sync import abandon_all, reform_all
 from adtopk_ps.torch.objects import allgather_object, broadcast_object
 from adtopk_ps.torch.runtime import client, rank, size
 from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
-#: horovod's name for the error a lost worker raises in every survivor's next call
+#: horovod's name for the error a re-form raises in every worker's next call
 HorovodInternalError = MembershipChanged
+__all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
+           "TorchState", "run"]
 
 T = TypeVar("T")
 

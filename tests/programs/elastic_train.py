@@ -10,7 +10,9 @@ long in step S's backward pass, between the two layers' gradients (so that a re-
 in the middle of it). ``--wrapper``: the optimizer (default), byteps' DDP wrapper, or
 CrossBarrier. Every survivor prints one line a step (``step N``), the
 time it took up training again after a re-form (``resumed in S s``), and at the end its step
-count and a digest of its parameters.
+count and a digest of its parameters. A worker that joins the running job (``bpslaunch
+--restarts``) says so with the time it registered, and kills or pauses itself no more
+(``--kill-joiner``: the first joiner dies as it joins).
 """
 import argparse
 import hashlib
@@ -53,13 +55,28 @@ def main() -> None:
     ap.add_argument("--pause-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data order")
     ap.add_argument("--slow", default="", help="step:seconds")
+    ap.add_argument("--kill-joiner", default="", help="a joiner kills itself before its "
+                    "optimizer's agreement unless this file exists (it makes it first)")
+    ap.add_argument("--step-s", type=float, default=0.0, help="every step sleeps this long (a "
+                    "job that lasts until a restarted worker joins)")
     ap.add_argument("--wrapper", choices=["optimizer", "ddp", "crossbarrier"], default="optimizer")
     args = ap.parse_args()
+    registering = time.time()
     hvd.init()
     started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
+    joined = hvd.client().epoch > 0
+    if joined:
+        print(f"worker {hvd.rank()}: joined the running job (epoch {hvd.client().epoch}), "
+              f"registering at {registering:.3f}", flush=True)
     kill_at = {int(w): int(s) for w, s in (k.split(":") for k in args.kill)}.get(started_as, -1)
     pause_at = int(args.pause.split(":")[1]) if args.pause and \
         int(args.pause.split(":")[0]) == started_as else -1
+    if joined:
+        kill_at = pause_at = -1
+        if args.kill_joiner and not os.path.exists(args.kill_joiner):
+            open(args.kill_joiner, "w").close()
+            print(f"worker {hvd.rank()}: killed as it joins at {time.time():.3f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def die(steps_done: int) -> None:
         print(f"worker {started_as}: killed after step {steps_done} at {time.time():.3f}", flush=True)
@@ -103,6 +120,7 @@ def main() -> None:
                     print(f"worker {started_as}: pausing for {args.pause_s} s", flush=True)
                     os.kill(os.getpid(), signal.SIGSTOP)
                 optimizer.zero_grad()
+                time.sleep(args.step_s)
                 if state.step == slow_at and not slowed:  # once: not again when the step is redone
                     slowed.append(state.step)
                     net.pause = slow_s

@@ -1,0 +1,176 @@
+"""The scheduler's elastic half: the workers of a running job change (``PS_MIN_WORKERS``,
+``PS_MAX_WORKERS``).
+
+Every change is one re-form: a new epoch, the workers renumbered 0..W-1 in their order
+(a joiner last), and every node told at once, so that servers drop the rounds of the old
+membership and workers go back to their last committed state. Three kinds:
+
+- a worker lost while at least the minimum remain: the job goes on without it;
+- a worker lost that leaves fewer than the minimum: the job re-forms *paused* (the
+  workers abandon their rounds and wait) and waits up to ``PS_ELASTIC_TIMEOUT_S`` for
+  workers to join, saying so while it waits; then it ends, naming why;
+- a worker registers into the running job (a restarted process, a replaced pod) while
+  fewer than the maximum run: it joins at once, or, while the job waits below the
+  minimum, once enough have come.
+
+A job in which some worker has finished changes no more: its rounds are over.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+from adtopk_ps.cluster.coordinator import Coordinator
+from adtopk_ps.wire import Op
+
+if TYPE_CHECKING:
+    from adtopk_ps.cluster.scheduler import Node, Scheduler
+
+log = logging.getLogger("adtopk_ps.scheduler")
+
+#: seconds between the notices of a job that waits below its minimum
+WAIT_NOTICE_EVERY_S = 5.0
+
+
+def _record(event: str, node: "Node") -> None:
+    """``lost N`` or ``joined N`` (N: the worker's DMLC_WORKER_ID) for ``bpslaunch --local``,
+    which judges its workers' exits by them (``PS_REFORMED_FILE``)."""
+    reformed = os.environ.get("PS_REFORMED_FILE", "").strip()
+    if reformed:
+        with open(reformed, "a") as out:
+            out.write(f"{event} {node.started_as}\n")
+
+
+class Reforming:
+    """Mixed into :class:`~adtopk_ps.cluster.scheduler.Scheduler`: the state of a changing
+    membership (joiners not yet taken in, since when the job waits below its minimum) and
+    the re-forms."""
+
+    def _init_reforming(self: "Scheduler") -> None:
+        self.joining: dict[bytes, Node] = {}  # registered into the running job, not yet in it
+        self.short_since: float | None = None  # when the job fell below its minimum
+        self._short_notice = 0.0
+
+    # -- losses ----------------------------------------------------------------------------
+
+    def _workers(self: "Scheduler") -> list["Node"]:
+        return sorted((n for n in self.nodes.values() if n.role == "worker"), key=lambda n: n.rank)
+
+    def _changeable(self: "Scheduler") -> bool:
+        """An elastic job none of whose workers has finished."""
+        return self.config.elastic and not any(n.finished for n in self._workers())
+
+    def _lost(self: "Scheduler", lost: "Node", why: str) -> int | None:
+        """React to a lost node: re-form without it (None), or end the job (its status)."""
+        if lost.identity in self.joining:  # not in the job yet: nothing re-forms
+            log.warning("%s went away before it was taken in: %s", lost.label, why)
+            del self.joining[lost.identity]
+            return None
+        if lost.role != "worker" or not self._changeable():
+            return self._lose(lost, why)
+        del self.nodes[lost.identity]
+        _record("lost", lost)
+        self._settle(f"{lost.label} lost: {why}")
+        return None
+
+    def _settle(self: "Scheduler", what: str | None) -> None:
+        """After a loss (``what``) or a join (None): re-form, taking in every joiner, when
+        that makes the minimum; otherwise (a loss) re-form paused and wait for joiners."""
+        minimum = self.config.bounds[0]
+        if len(self._workers()) + len(self.joining) < minimum:
+            if what is None:  # a join that leaves the job short still
+                log.warning("%s", self._why_short())
+                return
+            self.short_since = self.short_since or time.monotonic()
+            self._short_notice = 0.0
+            self._reform(what, paused=True)
+            return
+        self.short_since = None
+        joined = list(self.joining.values())
+        self.joining = {}
+        for node in joined:
+            node.rank = len(self._workers())
+            node.joined = self.epoch + 1
+            self.nodes[node.identity] = node
+            _record("joined", node)
+        joins = [f"{n.role} {n.rank} ({n.address}) joined" for n in joined]
+        what = "; ".join(filter(None, [what, *joins]))
+        self._reform(what, joined=joined)
+
+    def _why_short(self: "Scheduler") -> str:
+        have, minimum = len(self._workers()), self.config.bounds[0]
+        return (f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}: waiting up to "
+                f"{self.config.elastic_timeout:.0f} s (PS_ELASTIC_TIMEOUT_S) for "
+                f"{minimum - have - len(self.joining)} more to join")
+
+    def _check_short(self: "Scheduler") -> int | None:
+        """While the job waits below its minimum: a notice every few seconds, and the end
+        (its status) once the timeout has passed."""
+        if self.short_since is None:
+            return None
+        now = time.monotonic()
+        waited = now - self.short_since
+        if waited > self.config.elastic_timeout:
+            have, minimum = len(self._workers()), self.config.bounds[0]
+            return self._end_job(f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}, "
+                                 f"and no worker joined to make up the rest within "
+                                 f"{self.config.elastic_timeout:.0f} s (PS_ELASTIC_TIMEOUT_S)", 1)
+        if now >= self._short_notice:
+            log.warning("%s (%.0f s left)", self._why_short(), self.config.elastic_timeout - waited)
+            self._short_notice = now + WAIT_NOTICE_EVERY_S
+        return None
+
+    # -- joins -----------------------------------------------------------------------------
+
+    def _refuse_join(self: "Scheduler") -> str | None:
+        """Why a worker cannot join the running job now, or None."""
+        if not self.config.elastic:
+            return ("the job has already started (a worker may join a running job only when "
+                    "it is elastic: PS_MIN_WORKERS or PS_MAX_WORKERS)")
+        if not self._changeable():
+            return "the job is finishing: a worker has already finished, so none can join"
+        maximum = self.config.bounds[1]  # a worker whose connection closed is on its way out
+        live = [n for n in self._workers() if n.closed_at is None]
+        if len(live) + len(self.joining) >= maximum:
+            return f"the job already runs {maximum} worker(s) (PS_MAX_WORKERS={maximum})"
+        return None
+
+    def _join(self: "Scheduler", node: "Node") -> None:
+        """Take a registered worker into the running job: at once, with the re-form of a
+        loss seen but not yet settled, or (below the minimum) once enough have come."""
+        self.joining[node.identity] = node
+        log.info("worker at %s registered to join the running job", node.address)
+        if not any(n.closed_at is not None for n in self._workers()):
+            self._settle(None)
+
+    # -- the re-form -----------------------------------------------------------------------
+
+    def _reform(self: "Scheduler", what: str, paused: bool = False,
+                joined: list["Node"] = ()) -> None:
+        """A new epoch: the workers renumbered in their order, every node told at once (the
+        collectives being agreed are dropped: every worker abandons what it had in flight).
+        ``paused``: below the minimum, the workers wait for the next re-form; ``joined``: the
+        nodes taken in, which get their address book (the others a reshape)."""
+        self.epoch += 1
+        workers = self._workers()
+        for rank, node in enumerate(workers):
+            node.rank = rank
+        self.workers = len(workers)
+        self.coordinator = Coordinator(self.workers, self.grace)
+        if paused:
+            log.warning("%s; %s (epoch %d)", what, self._why_short(), self.epoch)
+        else:
+            log.warning("%s; going on with %d worker(s) (epoch %d, PS_MIN_WORKERS=%d, "
+                        "PS_MAX_WORKERS=%d)", what, self.workers, self.epoch, *self.config.bounds)
+        book = self._book()
+        note = {"waiting": self._why_short()} if paused else {}
+        for node in self.nodes.values():
+            if node in joined:
+                self._reply(node.identity, Op.ADDRESSBOOK, rank=node.rank, servers=book,
+                            num_workers=self.workers, epoch=self.epoch)
+            else:
+                self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
+                            num_workers=self.workers, servers=book, what=what,
+                            **note, **({"joined": True} if joined else {}))
