@@ -131,9 +131,9 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
     reformed = formed.parent / "reformed"  # the workers an elastic job went on without
 
-    def changes(event: str) -> list[int]:
+    def changes(event: str) -> list[str]:  # the labels of the children lost, or joined
         lines = reformed.read_text().splitlines() if reformed.exists() else []
-        return [int(line.split()[1]) for line in lines if line.split()[0] == event]
+        return [line.split(" ", 1)[1] for line in lines if line.split()[0] == event]
 
     def worker(i: int) -> Child:
         return Child(f"worker {i}", command, {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
@@ -161,15 +161,17 @@ class _Restarts:
     that never joined because the job finished first is stopped then, and is no failure."""
 
     def __init__(self, limit: int, scheduler: Child, workers: Sequence[Child],
-                 start: Callable[[int], Child], joined: Callable[[], list[int]]):
+                 start: Callable[[int], Child], joined: Callable[[], list[str]]):
         self.limit, self.scheduler, self.workers = limit, scheduler, list(workers)
         self.start, self.joined = start, joined
         self.made: list[Child] = []
         self.stopped: list[Child] = []  # stragglers stopped after the job finished
 
     def __call__(self, dead: Child) -> Child | None:
-        """A new process for ``dead``, or None: no restarts left, or the job is ending."""
-        if len(self.made) >= self.limit or self.scheduler.poll() is not None or \
+        """A new process for ``dead``, or None: a server (servers do not join), no restarts
+        left, or the job is ending."""
+        if dead.label.split()[0] != "worker" or len(self.made) >= self.limit or \
+                self.scheduler.poll() is not None or \
                 any(w.poll() == 0 for w in self.workers):
             return None
         wid = int(dead.label.split()[-1])
@@ -185,9 +187,8 @@ class _Restarts:
         DMLC_WORKER_ID, and a worker's restarts register in the order they were made."""
         if child not in self.made:
             return False
-        wid = child.label.split()[-1]
-        same = [c for c in self.made if c.label.split()[-1] == wid]
-        return same.index(child) >= self.joined().count(int(wid))
+        same = [c for c in self.made if c.label == child.label]
+        return same.index(child) >= self.joined().count(child.label)
 
     def stop_stragglers(self) -> None:
         """After the job finished (the scheduler exited 0): stop the restarts still waiting
@@ -208,7 +209,7 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 
 def supervise(children: list[Child], grace: float, timeout: float | None,
               workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
-              left_behind: Callable[[], list[int]] | None = None,
+              left_behind: Callable[[], list[str]] | None = None,
               restart: _Restarts | None = None) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
@@ -224,13 +225,14 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     as they are on SIGINT or SIGTERM to bpslaunch (status 130 or 143). Stopping is SIGTERM,
     then SIGKILL after ``STOP_GRACE`` seconds.
 
-    ``left_behind`` (an elastic job): the ids of the workers the scheduler re-formed the job
-    without, once for each time. A worker that fails after the cluster formed is judged when
-    the job ends: no failure where the job went on without it, a failure otherwise (one that
-    exits non-zero on its own, say). ``restart``: new processes for such workers, which join
+    ``left_behind`` (an elastic job): the labels of the workers and servers the scheduler
+    re-formed the job without, once for each time. A worker or server that fails after the
+    cluster formed is judged when the job ends: no failure where the job went on without it,
+    a failure otherwise (one that exits non-zero on its own, say). ``restart``: new processes for such workers, which join
     the running job (:class:`_Restarts`).
     """
-    job = _Supervision(children, grace, timeout, workers if left_behind else (), formed, restart)
+    spare = [c for c in children if c.label.split()[0] in ("worker", "server")]
+    job = _Supervision(children, grace, timeout, spare if left_behind else (), formed, restart)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -264,9 +266,8 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     if left_behind is not None:
         gone = collections.Counter(left_behind())
         for child in job.deferred:
-            wid = int(child.label.split()[-1])
-            if gone[wid] > 0:
-                gone[wid] -= 1
+            if gone[child.label] > 0:
+                gone[child.label] -= 1
             elif restart is None or not (restart.never_joined(child) and restart.scheduler.code == 0):
                 job.failures.append((child.ended_at, child.code))
     return min(job.failures)[1] if job.failures else 0
@@ -281,8 +282,8 @@ class _Supervision:
                  spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
                  restart: _Restarts | None = None):
         self.children, self.grace, self.timeout, self.restart = children, grace, timeout, restart
-        self.spare, self.formed = [id(c) for c in spare], formed  # workers the job can lose
-        self.deferred: list[Child] = []  # spare workers that failed: judged at the end
+        self.spare, self.formed = [id(c) for c in spare], formed  # roles the job can lose
+        self.deferred: list[Child] = []  # spare roles that failed: judged at the end
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.seen: set[int] = set()
         self.failures: list[tuple[float, int]] = []

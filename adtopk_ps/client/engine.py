@@ -127,6 +127,7 @@ class Engine:
         self.resumed = threading.Event()
         self.resumed.set()
         self.waiting = ""
+        self._rebook: list[str] | None = None  # the servers of a re-form, to connect to
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: list[Job] = []  # between the queue and the wire
@@ -223,15 +224,10 @@ class Engine:
         linger = 0
         try:
             book = link.register()
-            self.rank, self.servers = link.rank, list(book["servers"])
+            self.rank = link.rank
             # a worker that joined a running elastic job: its membership's
             self.epoch, self.size = book.get("epoch", 0), book.get("num_workers", self.size)
-            for address in book["servers"]:
-                sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-s{len(servers)}",
-                                   curve="client", data=self.config)
-                watches.append(PeerWatch(sock))
-                sock.connect(address)
-                servers.append(sock)
+            self._connect(link, book["servers"], servers, watches)
             self._started_at = time.monotonic()
             self._ready.set()
             self._serve(link, servers, watches)
@@ -251,14 +247,37 @@ class Engine:
             link.close()
             self._wake_in.close(0)
 
+    def _connect(self, link: SchedulerLink, addresses: list[str], servers: list[zmq.Socket],
+                 watches: list[PeerWatch]) -> None:
+        """Connect to the servers at ``addresses`` (in place of any connected before: an elastic
+        job that lost a server re-forms with a shorter address book). The connections are
+        named for the epoch: a server still holding the old one by that name would drop a
+        new one of the same name."""
+        for watch in watches:
+            watch.close()
+        for sock in servers:
+            sock.close(0)
+        watches.clear()
+        servers.clear()
+        self.servers = list(addresses)
+        for address in addresses:
+            sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",
+                               curve="client", data=self.config)
+            watches.append(PeerWatch(sock))
+            sock.connect(address)
+            servers.append(sock)
+
     def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
                watches: list[PeerWatch]) -> None:
-        poller = zmq.Poller()
-        # a monitor's event wakes the loop (a peer that is down keeps producing reconnection
-        # events); link.tick() and _check_servers() read them
-        for sock in [link.sock, self._wake_in, link.watch.sock, *servers, *(w.sock for w in watches)]:
-            poller.register(sock, zmq.POLLIN)
-        which = {sock: i for i, sock in enumerate(servers)}
+        def listen() -> tuple[zmq.Poller, dict]:
+            poller = zmq.Poller()
+            # a monitor's event wakes the loop (a peer that is down keeps producing
+            # reconnection events); link.tick() and _check_servers() read them
+            for sock in [link.sock, self._wake_in, link.watch.sock, *servers,
+                         *(w.sock for w in watches)]:
+                poller.register(sock, zmq.POLLIN)
+            return poller, {sock: i for i, sock in enumerate(servers)}
+        poller, which = listen()
 
         def keep_alive() -> None:  # a tensor of thousands of keys takes seconds to send
             for frames in drain(link.sock):  # the heartbeats' answers count as hearing
@@ -278,6 +297,10 @@ class Engine:
                 elif sock in which:
                     for frames in drain(sock):
                         self._on_answer(which[sock], frames)
+            if self._rebook is not None:  # the servers changed (an elastic re-form)
+                self._connect(link, self._rebook, servers, watches)
+                self._rebook = None
+                poller, which = listen()
             with self.lock:
                 commands, self._commands = self._commands, []
             # every push queued before a request or finish was queued goes out before it
@@ -335,6 +358,8 @@ class Engine:
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
             self.changed = error
         self.rounds.clear()
+        if x.get("servers", self.servers) != self.servers:  # connected before the next push
+            self._rebook = list(x["servers"])
         log.warning("worker %d: %s", self.rank, error)
         self._fail_all(error)
         self.waiting = waiting
@@ -353,7 +378,10 @@ class Engine:
                     f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
                     f"no connection in {waited:.0f} s (a firewall, or the server's address "
                     f"is not reachable from this host?); ending the job")
-            if watch.lost() and not finishing:
+            # an elastic job re-forms without a lost server: the scheduler's word comes as
+            # soon as this worker's own notice (both see the connection close), or soon after
+            patience = self.config.heartbeat_timeout if self.config.elastic else 0.0
+            if watch.lost() and not finishing and watch.closed_for() > patience:
                 raise ClusterError(
                     f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
                     f"their connection closed {watch.closed_for():.1f} s ago and did not come "

@@ -1,9 +1,9 @@
-"""The scheduler's elastic half: the workers of a running job change (``PS_MIN_WORKERS``,
-``PS_MAX_WORKERS``).
+"""The scheduler's elastic half: the workers and servers of a running job change
+(``PS_MIN_WORKERS``, ``PS_MAX_WORKERS``).
 
 Every change is one re-form: a new epoch, the workers renumbered 0..W-1 in their order
-(a joiner last), and every node told at once, so that servers drop the rounds of the old
-membership and workers go back to their last committed state. Three kinds:
+(a joiner last), the servers 0..S-1, and every node told at once, so that servers drop the
+rounds of the old membership and workers go back to their last committed state. Four kinds:
 
 - a worker lost while at least the minimum remain: the job goes on without it;
 - a worker lost that leaves fewer than the minimum: the job re-forms *paused* (the
@@ -11,7 +11,10 @@ membership and workers go back to their last committed state. Three kinds:
   workers to join, saying so while it waits; then it ends, naming why;
 - a worker registers into the running job (a restarted process, a replaced pod) while
   fewer than the maximum run: it joins at once, or, while the job waits below the
-  minimum, once enough have come.
+  minimum, once enough have come;
+- a server lost while another remains: its keys move to the others (workers place keys by
+  the new address book) and the workers push again from their last commit. Servers keep
+  nothing between rounds, so nothing else moves.
 
 A job in which some worker has finished changes no more: its rounds are over.
 """
@@ -35,12 +38,13 @@ WAIT_NOTICE_EVERY_S = 5.0
 
 
 def _record(event: str, node: "Node") -> None:
-    """``lost N`` or ``joined N`` (N: the worker's DMLC_WORKER_ID) for ``bpslaunch --local``,
-    which judges its workers' exits by them (``PS_REFORMED_FILE``)."""
+    """``lost worker N``, ``joined worker N`` or ``lost server N`` (N: the rank it started as,
+    or asked for: DMLC_WORKER_ID, PS_SERVER_ID) for ``bpslaunch --local``, which judges its
+    children's exits by them (``PS_REFORMED_FILE``)."""
     reformed = os.environ.get("PS_REFORMED_FILE", "").strip()
     if reformed:
         with open(reformed, "a") as out:
-            out.write(f"{event} {node.started_as}\n")
+            out.write(f"{event} {node.role} {node.started_as}\n")
 
 
 class Reforming:
@@ -55,12 +59,12 @@ class Reforming:
 
     # -- losses ----------------------------------------------------------------------------
 
-    def _workers(self: "Scheduler") -> list["Node"]:
-        return sorted((n for n in self.nodes.values() if n.role == "worker"), key=lambda n: n.rank)
+    def _ranked(self: "Scheduler", role: str = "worker") -> list["Node"]:
+        return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)
 
     def _changeable(self: "Scheduler") -> bool:
         """An elastic job none of whose workers has finished."""
-        return self.config.elastic and not any(n.finished for n in self._workers())
+        return self.config.elastic and not any(n.finished for n in self._ranked())
 
     def _lost(self: "Scheduler", lost: "Node", why: str) -> int | None:
         """React to a lost node: re-form without it (None), or end the job (its status)."""
@@ -68,18 +72,21 @@ class Reforming:
             log.warning("%s went away before it was taken in: %s", lost.label, why)
             del self.joining[lost.identity]
             return None
-        if lost.role != "worker" or not self._changeable():
+        if not self._changeable() or lost.role == "server" and len(self._ranked("server")) == 1:
             return self._lose(lost, why)
         del self.nodes[lost.identity]
         _record("lost", lost)
-        self._settle(f"{lost.label} lost: {why}")
+        if lost.role == "server":
+            self._reform(f"{lost.label} lost: {why}; its keys move to the other server(s)")
+        else:
+            self._settle(f"{lost.label} lost: {why}")
         return None
 
     def _settle(self: "Scheduler", what: str | None) -> None:
         """After a loss (``what``) or a join (None): re-form, taking in every joiner, when
         that makes the minimum; otherwise (a loss) re-form paused and wait for joiners."""
         minimum = self.config.bounds[0]
-        if len(self._workers()) + len(self.joining) < minimum:
+        if len(self._ranked()) + len(self.joining) < minimum:
             if what is None:  # a join that leaves the job short still
                 log.warning("%s", self._why_short())
                 return
@@ -91,7 +98,7 @@ class Reforming:
         joined = list(self.joining.values())
         self.joining = {}
         for node in joined:
-            node.rank = len(self._workers())
+            node.rank = len(self._ranked())
             node.joined = self.epoch + 1
             self.nodes[node.identity] = node
             _record("joined", node)
@@ -100,7 +107,7 @@ class Reforming:
         self._reform(what, joined=joined)
 
     def _why_short(self: "Scheduler") -> str:
-        have, minimum = len(self._workers()), self.config.bounds[0]
+        have, minimum = len(self._ranked()), self.config.bounds[0]
         return (f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}: waiting up to "
                 f"{self.config.elastic_timeout:.0f} s (PS_ELASTIC_TIMEOUT_S) for "
                 f"{minimum - have - len(self.joining)} more to join")
@@ -113,7 +120,7 @@ class Reforming:
         now = time.monotonic()
         waited = now - self.short_since
         if waited > self.config.elastic_timeout:
-            have, minimum = len(self._workers()), self.config.bounds[0]
+            have, minimum = len(self._ranked()), self.config.bounds[0]
             return self._end_job(f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}, "
                                  f"and no worker joined to make up the rest within "
                                  f"{self.config.elastic_timeout:.0f} s (PS_ELASTIC_TIMEOUT_S)", 1)
@@ -132,7 +139,7 @@ class Reforming:
         if not self._changeable():
             return "the job is finishing: a worker has already finished, so none can join"
         maximum = self.config.bounds[1]  # a worker whose connection closed is on its way out
-        live = [n for n in self._workers() if n.closed_at is None]
+        live = [n for n in self._ranked() if n.closed_at is None]
         if len(live) + len(self.joining) >= maximum:
             return f"the job already runs {maximum} worker(s) (PS_MAX_WORKERS={maximum})"
         return None
@@ -142,7 +149,7 @@ class Reforming:
         loss seen but not yet settled, or (below the minimum) once enough have come."""
         self.joining[node.identity] = node
         log.info("worker at %s registered to join the running job", node.address)
-        if not any(n.closed_at is not None for n in self._workers()):
+        if not any(n.closed_at is not None for n in self._ranked()):
             self._settle(None)
 
     # -- the re-form -----------------------------------------------------------------------
@@ -154,16 +161,17 @@ class Reforming:
         ``paused``: below the minimum, the workers wait for the next re-form; ``joined``: the
         nodes taken in, which get their address book (the others a reshape)."""
         self.epoch += 1
-        workers = self._workers()
-        for rank, node in enumerate(workers):
-            node.rank = rank
-        self.workers = len(workers)
+        for role in ("worker", "server"):
+            for rank, node in enumerate(self._ranked(role)):
+                node.rank = rank
+        self.workers = len(self._ranked())
         self.coordinator = Coordinator(self.workers, self.grace)
         if paused:
             log.warning("%s; %s (epoch %d)", what, self._why_short(), self.epoch)
         else:
-            log.warning("%s; going on with %d worker(s) (epoch %d, PS_MIN_WORKERS=%d, "
-                        "PS_MAX_WORKERS=%d)", what, self.workers, self.epoch, *self.config.bounds)
+            log.warning("%s; going on with %d worker(s) and %d server(s) (epoch %d, "
+                        "PS_MIN_WORKERS=%d, PS_MAX_WORKERS=%d)", what, self.workers,
+                        len(self._ranked("server")), self.epoch, *self.config.bounds)
         book = self._book()
         note = {"waiting": self._why_short()} if paused else {}
         for node in self.nodes.values():

@@ -414,10 +414,10 @@ class Scheduler(Reforming):
 
     def _lose(self, lost: Node, why: str) -> int:
         what = f"{lost.label} lost: {why}"
-        if self.config.elastic and lost.role != "worker":
-            what += "; an elastic job re-forms without a lost worker, not a lost server"
-        elif self.config.elastic:
+        if self.config.elastic and not self._changeable():
             what += "; a worker has already finished, so the job cannot re-form"
+        elif self.config.elastic:
+            what += "; no other server remains to take its keys"
         log.error("%s; telling every node", what)
         for node in [*self.nodes.values(), *self.joining.values()]:
             if node is not lost and not node.finished:
