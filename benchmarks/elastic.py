@@ -1,14 +1,19 @@
-"""Elastic jobs measured: seconds from a worker's SIGKILL to the survivors' next step, and the
-accuracy a job reaches when it loses a worker against the same job undisturbed.
+"""Elastic jobs measured: seconds from a worker's or a server's SIGKILL to the next step, from
+a joiner's registration to its first step, and the accuracy a job reaches when it loses a
+worker and a server and takes in a new worker, against the same job undisturbed.
 
 Every job is tests/programs/elastic_train.py (a horovod elastic script, the import changed)
-under ``bpslaunch --local --min-workers 2``: 5 workers and 2 servers losing three of them at
-random ranks and steps, before a push or between the pushes and their answers, for the
-timings; 3 workers trained for ``--steps`` with and without one kill, per seed, for the
-accuracies (on every digit of scikit-learn's set: a figure to compare runs, not a test score).
+under ``bpslaunch --local --min-workers 2`` with 2 servers:
+- kills: 5 workers losing three of them at random ranks and steps, before a push or between
+  the pushes and their answers;
+- joins: 3 workers, one killed at step 5 and started again (``--restarts 1``): it joins;
+- server kills: 3 workers, a random server killed at step 6;
+- accuracy, per seed: 3 workers for ``--steps``, undisturbed, and losing worker 2 at step 40
+  and server 1 at step 80 while worker 2's restart joins (on every digit of scikit-learn's
+  set: a figure to compare runs, not a test score).
 
-    python benchmarks/elastic.py                      # 7 jobs: 21 kills; 3 seeds
-    python benchmarks/elastic.py --jobs 3 --seeds 0 1
+    python benchmarks/elastic.py                      # 21 kills, 20 joins, 20 server kills; 3 seeds
+    python benchmarks/elastic.py --jobs 3 --joins 2 --server-kills 2 --seeds 0 1
 """
 from __future__ import annotations
 
@@ -21,23 +26,33 @@ import subprocess
 import sys
 from pathlib import Path
 
-from adtopk_ps.testing.stats import kill_to_next_step
+from adtopk_ps.testing.roles import run_and_kill
+from adtopk_ps.testing.stats import join_to_first_step, kill_to_next_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "elastic_train.py"
-FAST = {"PS_HEARTBEAT_INTERVAL_MS": "200", "PS_HEARTBEAT_TIMEOUT_MS": "2000"}
+# kills are seen by their closed connections; heartbeats only for hung processes
+FAST = {"PS_HEARTBEAT_INTERVAL_MS": "200", "PS_HEARTBEAT_TIMEOUT_MS": "6000"}
 
 
-def job(workers: int, args: list[str], steps: int) -> str:
-    """One job's output; raises where it did not finish."""
+def job(workers: int, args: list[str], steps: int, restarts: int = 0,
+        kill_server: tuple[int, int] | None = None) -> str:
+    """One job's output; raises where it did not finish. ``kill_server``: (server, step), the
+    server killed when the first worker reports that step."""
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(workers),
-           "--num-servers", "2", "--min-workers", "2", "--timeout", "300", "--",
-           sys.executable, str(PROGRAM), "--steps", str(steps), *args]
-    out = subprocess.run(cmd, env={**os.environ, **FAST}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=360).stdout
-    if "done step" not in out:
-        raise RuntimeError(f"{' '.join(args)}: the job did not finish:\n{out[-3000:]}")
-    return out
+           "--num-servers", "2", "--min-workers", "2", "--timeout", "300",
+           "--restarts", str(restarts), "--", sys.executable, str(PROGRAM), "--steps", str(steps), *args]
+    env = {**os.environ, **FAST}
+    if kill_server is None:
+        result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, timeout=360)
+    else:
+        server, at = kill_server
+        result, killed = run_and_kill(cmd, env, rf"step {at} of \d+ at", "server", server, 360)
+        result.stdout += "".join(f"server {server}: killed after step {at} at {t:.3f}\n" for t in killed)
+    if result.returncode != 0 or "done step" not in result.stdout:
+        raise RuntimeError(f"{' '.join(args)}: the job did not finish:\n{result.stdout[-3000:]}")
+    return result.stdout
 
 
 def accuracy(out: str) -> float:
@@ -46,11 +61,18 @@ def accuracy(out: str) -> float:
     return found.pop()
 
 
+def spread(name: str, figures: list[float]) -> None:
+    print(f"\n{name} over {len(figures)} events: median {statistics.median(figures):.2f} s, "
+          f"min {min(figures):.2f}, max {max(figures):.2f}\n", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=7, help="5-worker jobs, three kills each")
+    ap.add_argument("--joins", type=int, default=20, help="jobs with one worker restarted")
+    ap.add_argument("--server-kills", type=int, default=20, help="jobs losing a server")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=150, help="steps of each accuracy run")
+    ap.add_argument("--steps", type=int, default=200, help="steps of each accuracy run")
     args = ap.parse_args()
     rng = random.Random(0)
     measured = []
@@ -62,14 +84,35 @@ def main() -> int:
         measured += kill_to_next_step(out)
         print(f"job {i + 1}: {when}, kills {list(zip(victims, at))}: "
               f"{', '.join(f'{g:.2f}' for g in kill_to_next_step(out))} s", flush=True)
-    print(f"\nkill to next step over {len(measured)} kills: median {statistics.median(measured):.2f} s, "
-          f"min {min(measured):.2f}, max {max(measured):.2f}\n")
-    print("| seed | undisturbed (3 workers) | one worker killed at step 40 |")
+    if measured:
+        spread("worker kill to next step", measured)
+    joins = []
+    for i in range(args.joins):
+        victim = rng.randrange(3)
+        out = job(3, [f"--kill={victim}:5", "--step-s=0.1"], 50, restarts=1)
+        joins += join_to_first_step(out)
+        print(f"join {i + 1}: worker {victim} restarted: "
+              f"{', '.join(f'{g:.2f}' for g in join_to_first_step(out))} s", flush=True)
+    if joins:
+        spread("a joiner's registration to its first step", joins)
+    lost = []
+    for i in range(args.server_kills):
+        server = rng.randrange(2)
+        out = job(3, ["--step-s=0.05"], 30, kill_server=(server, 6))
+        lost += kill_to_next_step(out)
+        print(f"server kill {i + 1}: server {server}: "
+              f"{', '.join(f'{g:.2f}' for g in kill_to_next_step(out))} s", flush=True)
+    if lost:
+        spread("server kill to next step", lost)
+    print("| seed | undisturbed (3 workers) | worker 2 killed at step 40, server 1 at step 80, "
+          "worker 2 restarted |")
     print("|---|---|---|")
     for seed in args.seeds:
-        whole = accuracy(job(3, ["--seed", str(seed)], args.steps))
-        lost = accuracy(job(3, ["--seed", str(seed), "--kill=2:40"], args.steps))
-        print(f"| {seed} | {whole:.4f} | {lost:.4f} |", flush=True)
+        paced = ["--seed", str(seed), "--step-s=0.05"]  # the restart joins well before the end
+        whole = accuracy(job(3, paced, args.steps))
+        out = job(3, [*paced, "--kill=2:40"], args.steps, restarts=1, kill_server=(1, 80))
+        assert len(join_to_first_step(out)) == 1 and "server 1 (" in out, out[-3000:]
+        print(f"| {seed} | {whole:.4f} | {accuracy(out):.4f} |", flush=True)
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from adtopk_ps.testing.roles import role_pids, run_and_kill
 from adtopk_ps.testing.stats import join_to_first_step, kill_to_next_step
 from procs import FAST, bpslaunch
 
@@ -150,34 +151,6 @@ def test_the_wrappers_re_form_when_a_loss_lands_mid_backward(wrapper):
                    goal_s=GOAL_S + 2.5)  # the survivors' sleep adds to the wait
 
 
-def _servers_of(root: int, server: int | None = None) -> list[int]:
-    """The server processes below ``root`` (from /proc: their environment names the role), or
-    only the one started as ``server``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    below, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            below.append(pid)
-            todo.append(pid)
-    found = []
-    for pid in below:
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            if b"DMLC_ROLE=server" in environ and \
-                    (server is None or f"PS_SERVER_ID={server}".encode() in environ):
-                found.append(pid)
-        except OSError:
-            continue
-    return found
-
-
 def test_servers_that_hear_of_two_re_forms_late_keep_the_pushes_of_both():
     # two workers die at once and both servers are stopped for 2.5 s as it happens: the
     # survivors push in epoch 2 before a server has heard of epoch 1
@@ -193,7 +166,7 @@ def test_servers_that_hear_of_two_re_forms_late_keep_the_pushes_of_both():
         for line in launcher.stdout:
             lines.append(line)
             if not stopped and "killed after step" in line:
-                stopped = _servers_of(launcher.pid)
+                stopped = role_pids(launcher.pid, "server")
                 for pid in stopped:
                     os.kill(pid, signal.SIGSTOP)
                 threading.Timer(2.5, lambda: [os.kill(p, signal.SIGCONT) for p in stopped]).start()
@@ -280,23 +253,12 @@ def test_a_lost_server_moves_its_keys_and_the_job_goes_on():
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
            "--num-servers", "2", "--min-workers", "2", "--timeout", "100", "--", sys.executable,
            PROGRAM, "--steps", str(steps), "--step-s=0.05"]
-    launcher = subprocess.Popen(cmd, env={**os.environ, **FAST, **ELASTIC}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    lines, killed = [], []
-    try:
-        for line in launcher.stdout:
-            lines.append(line)
-            if not killed and re.search(r"step 6 of 3 at", line):
-                for pid in _servers_of(launcher.pid, 1):
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(time.time())
-        code = launcher.wait(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    out = "".join(lines)
-    assert len(killed) == 1, out
-    check_finished(subprocess.CompletedProcess(cmd, code, out), 3, steps=steps)
-    assert "its keys move to the other server(s); going on with 3 worker(s) and 1 server(s)" in out
-    after = [float(t) for t in re.findall(r"step \d+ of 3 at ([\d.]+)", out) if float(t) > killed[0]]
-    assert after and min(after) - killed[0] <= GOAL_S, (min(after) - killed[0], out)
+    result, killed = run_and_kill(cmd, {**os.environ, **FAST, **ELASTIC}, r"step 6 of 3 at",
+                                  "server", 1, timeout=120)
+    assert len(killed) == 1, result.stdout
+    check_finished(result, 3, steps=steps)
+    assert "its keys move to the other server(s); going on with 3 worker(s) and 1 server(s)" \
+        in result.stdout
+    after = [float(t) for t in re.findall(r"step \d+ of 3 at ([\d.]+)", result.stdout)
+             if float(t) > killed[0]]
+    assert after and min(after) - killed[0] <= GOAL_S, (min(after) - killed[0], result.stdout)

@@ -228,7 +228,6 @@ class Engine:
             # a worker that joined a running elastic job: its membership's
             self.epoch, self.size = book.get("epoch", 0), book.get("num_workers", self.size)
             self._connect(link, book["servers"], servers, watches)
-            self._started_at = time.monotonic()
             self._ready.set()
             self._serve(link, servers, watches)
             linger = FLUSH_MS  # a clean finish: what is queued (the finish markers) still leaves
@@ -266,6 +265,7 @@ class Engine:
             watches.append(PeerWatch(sock))
             sock.connect(address)
             servers.append(sock)
+        self._started_at = time.monotonic()  # each connection has until the timeout to open
 
     def _serve(self, link: SchedulerLink, servers: list[zmq.Socket],
                watches: list[PeerWatch]) -> None:

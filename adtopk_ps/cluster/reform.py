@@ -23,13 +23,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
-
+from typing import Sequence
 from adtopk_ps.cluster.coordinator import Coordinator
+from adtopk_ps.cluster.node import Node
 from adtopk_ps.wire import Op
-
-if TYPE_CHECKING:
-    from adtopk_ps.cluster.scheduler import Node, Scheduler
 
 log = logging.getLogger("adtopk_ps.scheduler")
 
@@ -37,7 +34,7 @@ log = logging.getLogger("adtopk_ps.scheduler")
 WAIT_NOTICE_EVERY_S = 5.0
 
 
-def _record(event: str, node: "Node") -> None:
+def _record(event: str, node: Node) -> None:
     """``lost worker N``, ``joined worker N`` or ``lost server N`` (N: the rank it started as,
     or asked for: DMLC_WORKER_ID, PS_SERVER_ID) for ``bpslaunch --local``, which judges its
     children's exits by them (``PS_REFORMED_FILE``)."""
@@ -52,21 +49,21 @@ class Reforming:
     membership (joiners not yet taken in, since when the job waits below its minimum) and
     the re-forms."""
 
-    def _init_reforming(self: "Scheduler") -> None:
+    def _init_reforming(self) -> None:
         self.joining: dict[bytes, Node] = {}  # registered into the running job, not yet in it
         self.short_since: float | None = None  # when the job fell below its minimum
         self._short_notice = 0.0
 
     # -- losses ----------------------------------------------------------------------------
 
-    def _ranked(self: "Scheduler", role: str = "worker") -> list["Node"]:
+    def _ranked(self, role: str = "worker") -> list[Node]:
         return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)
 
-    def _changeable(self: "Scheduler") -> bool:
+    def _changeable(self) -> bool:
         """An elastic job none of whose workers has finished."""
         return self.config.elastic and not any(n.finished for n in self._ranked())
 
-    def _lost(self: "Scheduler", lost: "Node", why: str) -> int | None:
+    def _lost(self, lost: Node, why: str) -> int | None:
         """React to a lost node: re-form without it (None), or end the job (its status)."""
         if lost.identity in self.joining:  # not in the job yet: nothing re-forms
             log.warning("%s went away before it was taken in: %s", lost.label, why)
@@ -82,7 +79,7 @@ class Reforming:
             self._settle(f"{lost.label} lost: {why}")
         return None
 
-    def _settle(self: "Scheduler", what: str | None) -> None:
+    def _settle(self, what: str | None) -> None:
         """After a loss (``what``) or a join (None): re-form, taking in every joiner, when
         that makes the minimum; otherwise (a loss) re-form paused and wait for joiners."""
         minimum = self.config.bounds[0]
@@ -106,13 +103,13 @@ class Reforming:
         what = "; ".join(filter(None, [what, *joins]))
         self._reform(what, joined=joined)
 
-    def _why_short(self: "Scheduler") -> str:
+    def _why_short(self) -> str:
         have, minimum = len(self._ranked()), self.config.bounds[0]
         return (f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}: waiting up to "
                 f"{self.config.elastic_timeout:.0f} s (PS_ELASTIC_TIMEOUT_S) for "
                 f"{minimum - have - len(self.joining)} more to join")
 
-    def _check_short(self: "Scheduler") -> int | None:
+    def _check_short(self) -> int | None:
         """While the job waits below its minimum: a notice every few seconds, and the end
         (its status) once the timeout has passed."""
         if self.short_since is None:
@@ -131,7 +128,7 @@ class Reforming:
 
     # -- joins -----------------------------------------------------------------------------
 
-    def _refuse_join(self: "Scheduler") -> str | None:
+    def _refuse_join(self) -> str | None:
         """Why a worker cannot join the running job now, or None."""
         if not self.config.elastic:
             return ("the job has already started (a worker may join a running job only when "
@@ -144,7 +141,7 @@ class Reforming:
             return f"the job already runs {maximum} worker(s) (PS_MAX_WORKERS={maximum})"
         return None
 
-    def _join(self: "Scheduler", node: "Node") -> None:
+    def _join(self, node: Node) -> None:
         """Take a registered worker into the running job: at once, with the re-form of a
         loss seen but not yet settled, or (below the minimum) once enough have come."""
         self.joining[node.identity] = node
@@ -154,8 +151,7 @@ class Reforming:
 
     # -- the re-form -----------------------------------------------------------------------
 
-    def _reform(self: "Scheduler", what: str, paused: bool = False,
-                joined: list["Node"] = ()) -> None:
+    def _reform(self, what: str, paused: bool = False, joined: Sequence[Node] = ()) -> None:
         """A new epoch: the workers renumbered in their order, every node told at once (the
         collectives being agreed are dropped: every worker abandons what it had in flight).
         ``paused``: below the minimum, the workers wait for the next re-form; ``joined``: the

@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import zmq
 
@@ -26,6 +25,7 @@ from adtopk_ps import wire
 from adtopk_ps.cluster.coordinator import Coordinator, Outgoing
 from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
+from adtopk_ps.cluster.node import Node
 from adtopk_ps.cluster.reform import Reforming
 from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make_socket,
                                          register_timeout, send)
@@ -33,34 +33,6 @@ from adtopk_ps.core.env import EnvError, env_int
 from adtopk_ps.wire import Op
 
 log = logging.getLogger("adtopk_ps.scheduler")
-
-
-@dataclass
-class Node:
-    """A registered server or worker, and when the scheduler last heard from it."""
-
-    identity: bytes
-    role: str
-    rank: int
-    address: str
-    last_seen: float
-    fd: int  # the connection its last message came on
-    finished: bool = False
-    closed_at: float | None = None  # when that connection closed, until another carries it
-    started_as: int = -1  # its rank when the job formed (an elastic job renumbers workers)
-    joined: int = -1  # the epoch it joined the running job in (an elastic job's)
-
-    @property
-    def label(self) -> str:
-        """How messages name the node: role, rank (and the one it started as, where an elastic
-        re-form changed it, or the epoch it joined in) and address."""
-        was = f", started as {self.role} {self.started_as}" if self.started_as != self.rank else ""
-        if self.joined >= 0:
-            was = f", joined in epoch {self.joined}"
-        elif self.rank < 0:
-            was = ", joining"
-        return f"{self.role} {self.rank}{was} ({self.address})" if self.rank >= 0 else \
-            f"{self.role}{was} ({self.address})"
 
 
 class Scheduler(Reforming):

@@ -7,8 +7,11 @@ A run's ``net`` maps each role's name (``scheduler``, ``server0``, ``worker1``) 
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from adtopk_ps.allocator import keep_freed_memory
@@ -77,3 +80,60 @@ def require_gpu(device: str, who: str) -> None:
         import torch
         if not torch.cuda.is_available():
             sys.exit(f"{who}: --device cuda, but torch sees no GPU here")
+
+
+def role_pids(root: int, role: str, started_as: int | None = None) -> list[int]:
+    """The processes of ``role`` below process ``root`` (a ``bpslaunch --local``), or only the
+    one started as ``started_as`` (its PS_SERVER_ID or DMLC_WORKER_ID), from /proc: their
+    environment names them."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    below, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            below.append(pid)
+            todo.append(pid)
+    ident = {"server": "PS_SERVER_ID", "worker": "DMLC_WORKER_ID"}.get(role, "")
+    found = []
+    for pid in below:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"DMLC_ROLE={role}".encode() in environ and \
+                (started_as is None or f"{ident}={started_as}".encode() in environ):
+            found.append(pid)
+    return found
+
+
+def run_and_kill(cmd: list[str], env: dict, pattern: str, role: str, started_as: int | None,
+                 timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[float]]:
+    """Run ``bpslaunch --local`` ``cmd`` to its end, sending SIGKILL to its ``role`` processes
+    (or the one started as ``started_as``) when a line of its output first matches
+    ``pattern``; its result, and the wall-clock time of each kill."""
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    lines, killed = [], []
+    deadline = time.monotonic() + timeout
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if not killed and re.search(pattern, line):
+                for pid in role_pids(launcher.pid, role, started_as):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(time.time())
+            if time.monotonic() > deadline:
+                break
+        launcher.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    return subprocess.CompletedProcess(cmd, launcher.returncode, "".join(lines)), killed
+
