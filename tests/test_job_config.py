@@ -80,6 +80,10 @@ def test_every_shipped_config_is_valid(name):
     ("device=metal", "device='metal': must be one of ['auto', 'cpu', 'cuda']"),
     ("device=0", "device=0: must be one of ['auto', 'cpu', 'cuda']"),
     ("devise=cpu", "devise: unknown key; did you mean 'device'?"),
+    ("elastic={commit_every: 0}", "elastic.commit_every=0: must be an integer >= 1"),
+    ("elastic={commit: 1}", "elastic.commit: unknown key; did you mean 'commit_every'?"),
+    ("elastic={min_workers: 3, max_workers: 2}", "must not be above elastic.max_workers (2)"),
+    ("elastic={min_workers: 0}", "elastic.min_workers=0: must be an integer >= 1 or null"),
 ])
 def test_a_bad_value_is_refused_naming_key_value_and_what_is_valid(override, words):
     with pytest.raises(ConfigError) as caught:

@@ -23,6 +23,7 @@ DEFAULTS = {
     "metrics": None, "progress": True,
     "nonfinite": "stop",  # a NaN or Inf gradient: "stop" the job naming it, or "skip" the step
     "device": "auto",  # "auto" (this local rank's GPU where there is one, else the CPU), "cpu", "cuda"
+    "elastic": None,  # {"commit_every": N, "min_workers": .., "max_workers": ..}: see worker/elastic.py
 }
 
 

@@ -26,6 +26,7 @@ from adtopk_ps.torch.runtime import mark_failed
 from . import checkpoint
 from . import config as job_config
 from . import device as job_device
+from . import elastic
 from .data import Dataset, DatasetUnavailable, load
 from .models import build
 from .outputs import MetricsLog, OutputError, writable_outputs, write_summary
@@ -113,7 +114,10 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     """Train on ``device``: the data, the model, its optimizer state and the residuals all live
     there (checkpoints are saved from the CPU and load onto whatever device this run has).
     ``dataset`` is read before joining, so that a damaged one stops this worker at once."""
+    if cfg["elastic"]:
+        return train_elastic(cfg, args, device, dataset)
     rank, size = join(cfg, device)
+    agree_on_config(cfg, device)
     data = dataset.shard(rank, size).to(device)
     model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
     compression = make_compression(cfg)
@@ -164,16 +168,77 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     return summary
 
 
+def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
+    """:func:`train` as an elastic job (worker/elastic.py): every worker deals each step's
+    samples from the whole training set, and commits in memory every ``commit_every`` steps;
+    after a re-form the workers agree on the config again (a joiner for the first time) and
+    go on from the newest commit."""
+    join(cfg, device)
+    elastic.check_cluster(cfg, args.checkpoint_dir)
+    data = dataset.to(device)
+    model = build(cfg["model"], cfg["model_args"]).to(device)
+    compression = make_compression(cfg)
+    opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
+                                   compression, nonfinite=cfg["nonfinite"])
+    batch, seed, base_lr = cfg["batch_size"], cfg["seed"], cfg["optimizer"].get("lr", 0.01)
+    total = cfg["steps"] or cfg["epochs"] * -(-len(data.x_train) // (batch * bps.size()))
+    every = cfg["elastic"].get("commit_every", 1)
+    state, client = elastic.new_state(model, opt), bps.client()
+    log: list[MetricsLog] = []  # opened by whichever worker is rank 0 when a record is due
+    seen = {"samples": 0, "loss": float("nan")}
+    began = time.perf_counter()
+
+    @bps.elastic.run
+    def run(state: bps.elastic.TorchState) -> None:
+        agree_on_config(cfg, device)  # after every re-form: a joiner's first agreement
+        while state.step < total:
+            rank, size = bps.rank(), bps.size()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(state.step, total, base_lr, cfg["lr_schedule"])
+            x, y, taken = elastic.round_batch(data, state.epoch, state.processed, rank, size,
+                                              batch, seed)
+            seen["loss"] = train_step(model, opt, (x, y))
+            seen["samples"] += taken
+            state.step, state.processed = state.step + 1, state.processed + taken
+            if state.processed >= len(data.x_train):
+                state.epoch, state.processed = state.epoch + 1, 0
+            if cfg["verify_every"] and state.step % cfg["verify_every"] == 0:
+                bps.verify_replicas(model, state.step)
+            if args.checksums:
+                print(f"checksum step {state.step}: {checkpoint.parameters_digest(model)}", flush=True)
+            if rank == 0 and cfg["metrics"] and (state.step % cfg["eval_every"] == 0 or
+                                                 state.step == total):
+                if not log:
+                    log.append(MetricsLog(cfg["metrics"]))
+                record = {"step": state.step, "loss": seen["loss"], "workers": size,
+                          "samples_per_s": seen["samples"] / (time.perf_counter() - began),
+                          **traffic(client, opt)}
+                record["accuracy"], record["test_loss"] = evaluate(model, data)
+                log[0].append(record)
+            if state.step % every == 0 or state.step == total:
+                state.commit()
+    run(state)
+    wall = time.perf_counter() - began
+    accuracy, test_loss = evaluate(model, data)
+    for opened in log:
+        opened.close()
+    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": seen["loss"],
+               "steps": state.step, "samples_per_s": seen["samples"] / wall, **traffic(client, opt),
+               "compressor": compression.compressor.name if compression.compressor else "none",
+               "wall_s": wall, "workers": bps.size(), "rank": bps.rank(),
+               "checksum": checkpoint.parameters_digest(model)}
+    bps.shutdown()
+    return summary
+
+
 def join(cfg: dict, device: torch.device) -> tuple[int, int]:
-    """Join the cluster from ``device`` and agree on the config: this worker's rank and the
-    number of workers."""
+    """Join the cluster from ``device``: this worker's rank and the number of workers."""
     if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
         torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
     torch.manual_seed(cfg["seed"])
     bps.init()
     rank, size = bps.rank(), bps.size()
     print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
-    agree_on_config(cfg, device)
     return rank, size
 
 

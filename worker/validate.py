@@ -168,6 +168,24 @@ def lr_schedule(key: str, value: Any, _cfg: Mapping) -> None:
         _fail(f"{key}.gamma", value["gamma"], "must be a number > 0" + _number_hint(value["gamma"]))
 
 
+def elastic(key: str, value: Any, _cfg: Mapping) -> None:
+    """null (a fixed set of workers), or the elastic job's keys: ``commit_every`` (steps
+    between commits in memory, default 1) and the bounds the cluster must have
+    (``min_workers``, ``max_workers``: PS_MIN_WORKERS, PS_MAX_WORKERS)."""
+    if value is None:
+        return
+    _mapping(key, value)
+    unknown_keys(key, value, {"commit_every", "min_workers", "max_workers"})
+    if "commit_every" in value:
+        integer(1)(f"{key}.commit_every", value["commit_every"], _cfg)
+    for bound in ("min_workers", "max_workers"):
+        if bound in value:
+            integer(1, optional=True)(f"{key}.{bound}", value[bound], _cfg)
+    low, high = value.get("min_workers"), value.get("max_workers")
+    if low is not None and high is not None and low > high:
+        _fail(f"{key}.min_workers", low, f"must not be above elastic.max_workers ({high})")
+
+
 def compression(key: str, value: Any, _cfg: Mapping) -> None:
     """Built once with the compressor registry, so every compressor's own checks apply."""
     spec = {"compressor": value} if isinstance(value, str) else value  # a name alone is a spec too
@@ -218,7 +236,7 @@ SCHEMA: dict[str, Check] = {
     "eval_every": integer(1), "checkpoint_every": integer(1), "checkpoint_keep": integer(1), "verify_every": integer(0),
     "seed": integer(0),
     "metrics": metrics, "progress": boolean,
-    "nonfinite": choice(POLICIES), "device": device,
+    "nonfinite": choice(POLICIES), "device": device, "elastic": elastic,
 }
 
 
