@@ -15,7 +15,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES = "1.33.0"  # schemas pinned: the validator ships them, nothing is fetched
-OVERLAYS = ["base", "overlays/cpu", "overlays/gpu"]
+OVERLAYS = ["base", "overlays/cpu", "overlays/gpu", "overlays/elastic"]
 
 
 def render(path: str) -> list[dict]:
@@ -120,3 +120,24 @@ def test_gpu_overlay_gives_every_role_the_curve_keys():
         assert volumes["curve-keys"]["secret"]["secretName"] == "adtopk-keys"
         assert pod["securityContext"]["fsGroup"] == 10001  # the image's user can read the keys
     assert all("curve-keys" not in json.dumps(d) for d in render("overlays/cpu"))
+
+
+def test_the_elastic_overlay_replaces_a_lost_worker_pod_which_joins():
+    """A failed or evicted worker pod comes back with its completion index (its
+    DMLC_WORKER_ID) and joins; a config error is not retried; the cluster's bounds and the
+    job config's agree (the job refuses to start otherwise)."""
+    docs = render("overlays/elastic")
+    cluster = _by(docs, "ConfigMap", "adtopk-cluster")["data"]
+    low, high = int(cluster["PS_MIN_WORKERS"]), int(cluster["PS_MAX_WORKERS"])
+    assert low <= int(cluster["DMLC_NUM_WORKER"]) <= high and int(cluster["PS_ELASTIC_TIMEOUT_S"]) > 0
+    job = _by(docs, "Job", "adtopk-worker")["spec"]
+    assert job["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in job
+    rules = job["podFailurePolicy"]["rules"]
+    assert {"action": "FailIndex", "onExitCodes": {"containerName": "worker", "operator": "In",
+                                                   "values": [2]}} in rules
+    assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]} \
+        in rules
+    shipped = yaml.safe_load(_by(docs, "ConfigMap", "adtopk-job")["data"]["job.yaml"])
+    assert shipped == yaml.safe_load((ROOT / "configs" / "digits-mlp-elastic.yaml").read_text())
+    assert shipped["elastic"]["min_workers"] == low
+
