@@ -39,7 +39,7 @@ def test_byteps_scripts_run_with_the_import_changed():
     assert int(m0[3]) + int(m1[3]) == int(m0[4]) == int(m1[4]) and m0[5] == "torch.int64"
     for lines in (w0, w1):
         text = "\n".join(lines)
-        assert "refused while suspended" in text and "membership change" in text
+        assert "refused while suspended" in text and "it is not elastic" in text
         assert "resumed, in-flight average 1.5, next push_pull 0.5" in text
         assert "NOT refused" not in text
         assert "reused name with another shape [0.5, 0.5, 0.5]" in text  # agreed, its own key
@@ -47,6 +47,20 @@ def test_byteps_scripts_run_with_the_import_changed():
                      "complex tensor", "unknown handle", "resume without suspend"):
             assert f"refused {what}:" in text, what
         assert "after the refusals 0.5" in text
+
+
+def test_byteps_suspend_and_resume_take_in_an_elastic_re_form():
+    result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "2", "--min-workers", "2",
+                       "--", sys.executable, str(PROGRAMS / "byteps_elastic.py"),
+                       env={**PATIENT, "PS_HEARTBEAT_TIMEOUT_MS": "6000"}, timeout=150)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    for me in (0, 1):
+        assert f"worker {me}: MembershipChanged at step 5" in out, out[-4000:]
+        assert f"worker {me}: step 4 of 3 average 2.0" in out  # (1 + 2 + 3) / 3
+        assert f"worker {me}: step 11 of 2 average 1.5" in out  # (1 + 2) / 2, after the resume
+        assert f"worker {me}: resume(3, 2): the job still has 2 workers and 2 servers after 1 s" in out
+        assert f"worker {me}: done at rank {me} of 2" in out
 
 
 def test_horovod_calls_run_with_the_import_changed():

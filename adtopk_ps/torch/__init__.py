@@ -23,8 +23,9 @@ from adtopk_ps.torch.ops import (Adasum, Average, Max, Min, Product, ReduceOp, S
                                  synchronize)
 from adtopk_ps.torch.optimizer import DistributedOptimizer
 from adtopk_ps.torch.replicas import ReplicasDiverged, verify_replicas
+from adtopk_ps.torch.elastic import resume
 from adtopk_ps.torch.runtime import (client, init, is_initialized, local_rank, local_size, rank,
-                                     resume, shutdown, size, suspend)
+                                     shutdown, size, suspend)
 from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 __all__ = [

@@ -43,6 +43,7 @@ import copy
 import functools
 import math
 import random
+import time
 from typing import Callable, Iterator, TypeVar
 
 import torch
@@ -50,13 +51,13 @@ import torch
 from adtopk_ps.client.engine import HostsUpdatedInterrupt, MembershipChanged
 from adtopk_ps.torch.gradient_sync import abandon_all, reform_all
 from adtopk_ps.torch.objects import allgather_object, broadcast_object
-from adtopk_ps.torch.runtime import client, rank, size
+from adtopk_ps.torch.runtime import client, rank, resume_as_is, size
 from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast_parameters
 
 #: horovod's name for the error a re-form raises in every worker's next call
 HorovodInternalError = MembershipChanged
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "TorchState", "run"]
+           "TorchState", "resume", "run"]
 
 T = TypeVar("T")
 
@@ -224,6 +225,37 @@ def run(func: Callable[..., T]) -> Callable[..., T]:
                 reform_all()
                 state.on_reset()
     return wrapper
+
+
+def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
+           context: object = None, timeout: float | None = None) -> None:
+    """byteps' ``resume`` after ``suspend()``, in the shape given: where the job is elastic and
+    has another shape now, wait (up to ``timeout``, by default ``PS_ELASTIC_TIMEOUT_S``) until
+    the scheduler has re-formed it to that many workers and servers, then take the new
+    membership in (what synchronises gradients agrees again). Ranks are the scheduler's;
+    ``context`` is byteps' and unused. Raises ``TimeoutError`` naming both shapes, and
+    ``ValueError`` for a job that is not elastic.
+
+    Example::
+
+        bps.suspend()
+        bps.resume(2, 2)   # after a worker of 3 was lost
+    """
+    c = client(paused_ok=True)
+    limit = c.config.elastic_timeout if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    while c.config.elastic and ((c.size, len(c.servers)) != (num_workers, num_servers) or
+                                not c.engine.resumed.is_set()):
+        if c.engine.error is not None:
+            raise c.engine.error
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"resume({num_workers}, {num_servers}): the job still has "
+                               f"{c.size} workers and {len(c.servers)} servers after {limit:.0f} s")
+        time.sleep(0.02)
+    resume_as_is(num_workers, num_servers, global_rank)
+    if c.engine.changed is not None:  # the membership changed while suspended: take it in
+        abandon_all()
+        reform_all()
 
 
 class ElasticSampler(torch.utils.data.Sampler):

@@ -93,15 +93,18 @@ class Membership:
         return client
 
     def suspend(self) -> None:
-        """Let every push_pull in flight finish, then refuse new ones; the connection (and its
-        heartbeats) stays up."""
+        """Let every push_pull in flight finish (or fail: an elastic job may have re-formed,
+        which :func:`adtopk_ps.torch.elastic.resume` takes in), then refuse new ones; the
+        connection (and its heartbeats) stays up."""
         client = self.client()
         client.quiesce()
-        client.check()
+        if client.engine.error is not None:
+            raise client.engine.error
         self._suspended = True
 
     def resume(self, num_workers: int, num_servers: int, global_rank: int | None = None) -> None:
-        """Continue after :meth:`suspend`, with the cluster shape given.
+        """Continue after :meth:`suspend` in the cluster shape given, which must be the job's
+        now (:func:`adtopk_ps.torch.elastic.resume` waits for it in an elastic job).
 
         Ranks stay as the scheduler gave them: byteps' elastic benchmark passes
         the same ``global_rank`` on every worker, so a different one is named
@@ -111,14 +114,15 @@ class Membership:
             raise RuntimeError("resume() without suspend()")
         have = (client.size, len(client.servers))
         if (num_workers, num_servers) != have:
-            raise NotImplementedError(
+            raise ValueError(
                 f"resume({num_workers}, {num_servers}): this job has {have[0]} workers and "
-                f"{have[1]} servers; membership change (other workers or servers) is not "
-                f"supported yet, only resuming the same cluster")
+                f"{have[1]} servers, and it is not elastic: only an elastic job's membership "
+                f"changes (PS_MIN_WORKERS, PS_MAX_WORKERS; bpslaunch --min-workers)")
         if global_rank not in (None, -1, client.rank):
             warnings.warn(f"resume(global_rank={global_rank}) on worker {client.rank}: ranks stay "
-                          f"as the scheduler gave them (no membership change yet)", stacklevel=3)
-        client.check()
+                          f"as the scheduler gave them", stacklevel=4)
+        if client.engine.error is not None:
+            raise client.engine.error
         self._suspended = False
 
 
@@ -183,20 +187,13 @@ def close() -> None:
 
 
 def suspend() -> None:
-    """byteps' elastic pause: waits for what is in flight; push_pulls are refused until resume()."""
+    """byteps' elastic pause: waits for what is in flight; push_pulls are refused until
+    :func:`adtopk_ps.torch.elastic.resume` (``bps.resume``)."""
     _membership.suspend()
 
 
-def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
-           context: object = None) -> None:
-    """byteps' elastic restart after :func:`suspend`. The same cluster continues; another shape
-    (a membership change) is refused with NotImplementedError. ``context`` is byteps' and unused.
-
-    Example::
-
-        bps.suspend()
-        bps.resume(bps.size(), num_servers=2)
-    """
+def resume_as_is(num_workers: int, num_servers: int, global_rank: int | None = None) -> None:
+    """End :func:`suspend` in the shape the job has now (see :meth:`Membership.resume`)."""
     _membership.resume(num_workers, num_servers, global_rank)
 
 
