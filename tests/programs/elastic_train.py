@@ -3,8 +3,9 @@
 Trains an MLP on scikit-learn's digits through ``hvd.elastic.run`` with a ``TorchState``
 committed every step and an ``ElasticSampler``. ``--kill W:S`` (repeatable): the worker
 started as ``DMLC_WORKER_ID`` W kills itself with SIGKILL at step S, ``--when``: before its
-push, between its push and the answers (with overlap), or at start-up, before the
-optimizer's agreement (S ignored). ``--pause W:S``: that worker stops itself (SIGSTOP) for
+push, between its push and the answers (with overlap), in the middle of the commit after
+step S (the model copied, the rest not), or at start-up, before the optimizer's agreement
+(S ignored). ``--pause W:S``: that worker stops itself (SIGSTOP) for
 ``--pause-s`` seconds at step S. ``--slow S:SECONDS``: every worker not killed sleeps that
 long in step S's backward pass, between the two layers' gradients (so that a re-form lands
 in the middle of it). ``--wrapper``: the optimizer (default), byteps' DDP wrapper, or
@@ -15,6 +16,7 @@ count and a digest of its parameters. A worker that joins the running job (``bps
 (``--kill-joiner``: the first joiner dies as it joins).
 """
 import argparse
+import copy
 import hashlib
 import os
 import signal
@@ -50,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--kill", action="append", default=[], help="worker:step")
-    ap.add_argument("--when", choices=["before-push", "mid-push", "start-up"], default="before-push")
+    ap.add_argument("--when", choices=["before-push", "mid-push", "mid-commit", "start-up"], default="before-push")
     ap.add_argument("--pause", default="", help="worker:step")
     ap.add_argument("--pause-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data order")
@@ -105,6 +107,15 @@ def main() -> None:
                                    epoch=0, batch=0, step=0, seen={})
     lost_at, slowed = [], []
     state.register_reset_callbacks([lambda: lost_at.append(time.time())])
+    if kill_at >= 0 and args.when == "mid-commit":
+        commit_in_full = state.save
+
+        def save_in_part() -> None:
+            if state.step == kill_at:
+                copy.deepcopy(model.state_dict())  # the commit's first part; the rest never comes
+                die(state.step)
+            commit_in_full()
+        state.save = save_in_part
 
     @hvd.elastic.run
     def train(state):
