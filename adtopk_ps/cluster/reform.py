@@ -100,8 +100,7 @@ class Reforming:
             self.nodes[node.identity] = node
             _record("joined", node)
         joins = [f"{n.role} {n.rank} ({n.address}) joined" for n in joined]
-        what = "; ".join(filter(None, [what, *joins]))
-        self._reform(what, joined=joined)
+        self._reform("; ".join(filter(None, [what, *joins])), joined=joined, lost=what is not None)
 
     def _why_short(self) -> str:
         have, minimum = len(self._ranked()), self.config.bounds[0]
@@ -151,11 +150,13 @@ class Reforming:
 
     # -- the re-form -----------------------------------------------------------------------
 
-    def _reform(self, what: str, paused: bool = False, joined: Sequence[Node] = ()) -> None:
+    def _reform(self, what: str, paused: bool = False, joined: Sequence[Node] = (),
+                lost: bool = True) -> None:
         """A new epoch: the workers renumbered in their order, every node told at once (the
         collectives being agreed are dropped: every worker abandons what it had in flight).
         ``paused``: below the minimum, the workers wait for the next re-form; ``joined``: the
-        nodes taken in, which get their address book (the others a reshape)."""
+        nodes taken in, which get their address book (the others a reshape); ``lost``: whether
+        a node was lost too (else workers only joined: horovod's HostsUpdatedInterrupt)."""
         self.epoch += 1
         for role in ("worker", "server"):
             for rank, node in enumerate(self._ranked(role)):
@@ -177,4 +178,4 @@ class Reforming:
             else:
                 self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
                             num_workers=self.workers, servers=book, what=what,
-                            **note, **({"joined": True} if joined else {}))
+                            **note, **({} if lost else {"joined": True}))

@@ -30,18 +30,19 @@ def interval(pairs: list, against: list | None = None, draws: int = 2000,
 
 
 def kill_to_next_step(out: str) -> list[float]:
-    """Seconds from each kill to the first step after it that a survivor finished, from an
-    elastic job's output (tests/programs/elastic_train.py prints ``killed after step S at
-    T`` and ``step N of W at T``, wall-clock seconds): only a step the victim did not take
-    part in counts, since some survivors may still be finishing the one before.
+    """Seconds from each kill to the first step the job finished after it re-formed, from an
+    elastic job's output (tests/programs/elastic_train.py prints ``killed after step S at T``
+    for a worker it kills, the tests and benchmarks the same for a server, and a survivor
+    ``resumed in D s at T`` with its first step after a re-form, wall-clock seconds). A step
+    that merely ended after the kill does not count: its answers may have come before.
 
     Example::
 
-        kill_to_next_step("w2: killed after step 5 at 10.0\nw0: step 6 of 2 at 11.2")  # [1.2]
+        kill_to_next_step("w2: killed after step 5 at 10.0\nw0: resumed in 0.1 s at 11.2")  # [1.2]
     """
-    steps = [(int(n), float(t)) for n, t in re.findall(r"step (\d+) of \d+ at ([\d.]+)", out)]
-    kills = sorted((int(d), float(t)) for d, t in re.findall(r"killed after step (\d+) at ([\d.]+)", out))
-    return [min(t for n, t in steps if n > done and t > kill) - kill for done, kill in kills]
+    resumed = sorted(float(t) for t in re.findall(r"resumed in [\d.]+ s at ([\d.]+)", out))
+    kills = sorted(float(t) for t in re.findall(r"killed after step \d+ at ([\d.]+)", out))
+    return [min(t for t in resumed if t > kill) - kill for kill in kills]
 
 
 def join_to_first_step(out: str) -> list[float]:
