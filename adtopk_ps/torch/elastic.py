@@ -73,7 +73,7 @@ class State(abc.ABC):
 
     def __init__(self) -> None:
         self._reset_callbacks: list[Callable[[], None]] = []
-        self.commits = 0  # how many commits this worker has made: the newest wins a sync
+        self._commits = 0  # how many commits this worker has made: the newest wins a sync
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Call each of ``callbacks`` after a re-form, before the state is synced (to rebuild
@@ -90,17 +90,17 @@ class State(abc.ABC):
         :class:`HorovodInternalError` if the job has re-formed since the last call (the
         save stands: nothing committed is lost)."""
         self.save()
-        self.commits += 1
+        self._commits += 1
         client().check()
 
     def sync(self) -> None:
         """Every worker takes the newest commit any of them holds (ties: the lowest rank):
         after a re-form a worker that missed the last commit catches up, and none goes back."""
-        commits = allgather_object(self.commits, "elastic.commits")
+        commits = allgather_object(self._commits, "elastic.commits")
         root = commits.index(max(commits))
         self.sync_from(root)
         self.save()  # the synced state is the one to come back to (a sync cut short is not)
-        self.commits = commits[root]
+        self._commits = commits[root]
 
     @abc.abstractmethod
     def save(self) -> None:

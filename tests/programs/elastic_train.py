@@ -104,7 +104,7 @@ def main() -> None:
         optimizer = CrossBarrier(net, sgd, net.named_parameters(), compression=compression)
     sampler = hvd.elastic.ElasticSampler(data, shuffle=True, seed=args.seed)
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, sampler=sampler,
-                                   epoch=0, batch=0, step=0, seen={})
+                                   epoch=0, batch=0, step=0, seen={}, commits=0)
     lost_at, slowed = [], []
     state.register_reset_callbacks([lambda: lost_at.append(time.time())])
     if kill_at >= 0 and args.when == "mid-commit":
@@ -149,11 +149,13 @@ def main() -> None:
                     lost_at.clear()
                 print(f"worker {hvd.rank()}: step {state.step} of {hvd.size()} at {time.time():.3f}",
                       flush=True)
+                state.commits += 1  # a name of the user's (horovod's own elastic test keeps one)
                 state.commit()
             else:
                 state.epoch += 1
                 state.batch = 0
                 sampler.set_epoch(state.epoch)
+                state.commits += 1
                 state.commit()
 
     train(state)
@@ -163,6 +165,8 @@ def main() -> None:
     with torch.no_grad():  # on every digit: a figure to set runs against each other, not a test score
         x, y = data.tensors
         accuracy = (model(x).argmax(1) == y).float().mean().item()
+    epochs_ended = state.epoch  # one commit each, besides one a step
+    assert state.commits == state.step + epochs_ended, (state.commits, state.step, epochs_ended)
     print(f"worker {hvd.rank()}: done step={state.step} size={hvd.size()} "
           f"digest={digest.hexdigest()[:16]} accuracy={accuracy:.4f} seen={sorted(state.seen.items())}",
           flush=True)
