@@ -73,8 +73,9 @@ class Reforming:
             return self._lose(lost, why)
         del self.nodes[lost.identity]
         _record("lost", lost)
-        if lost.role == "server":
-            self._reform(f"{lost.label} lost: {why}; its keys move to the other server(s)")
+        if lost.role == "server":  # (the workers go on waiting where the job is short)
+            self._reform(f"{lost.label} lost: {why}; its keys move to the other server(s)",
+                         paused=self.short_since is not None)
         else:
             self._settle(f"{lost.label} lost: {why}")
         return None
