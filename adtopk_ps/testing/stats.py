@@ -33,16 +33,18 @@ def kill_to_next_step(out: str) -> list[float]:
     """Seconds from each kill to the first step the job finished after it re-formed, from an
     elastic job's output (tests/programs/elastic_train.py prints ``killed after step S at T``
     for a worker it kills, the tests and benchmarks the same for a server, and a survivor
-    ``resumed in D s at T`` with its first step after a re-form, wall-clock seconds). A step
-    that merely ended after the kill does not count: its answers may have come before.
+    ``resumed in D s at T`` with its first step after a re-form, D after the last one;
+    wall-clock seconds). Only a re-form after the kill counts: a step that merely ended after
+    it may have had its answers before, and a resumption may follow an earlier re-form.
 
     Example::
 
         kill_to_next_step("w2: killed after step 5 at 10.0\nw0: resumed in 0.1 s at 11.2")  # [1.2]
     """
-    resumed = sorted(float(t) for t in re.findall(r"resumed in [\d.]+ s at ([\d.]+)", out))
+    resumed = [(float(t) - float(d), float(t))
+               for d, t in re.findall(r"resumed in ([\d.]+) s at ([\d.]+)", out)]
     kills = sorted(float(t) for t in re.findall(r"killed after step \d+ at ([\d.]+)", out))
-    return [min(t for t in resumed if t > kill) - kill for kill in kills]
+    return [min(t for reformed, t in resumed if reformed > kill) - kill for kill in kills]
 
 
 def join_to_first_step(out: str) -> list[float]:

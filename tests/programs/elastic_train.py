@@ -144,7 +144,7 @@ def main() -> None:
                 state.seen[state.epoch] = state.seen.get(state.epoch, 0) + len(x) * hvd.size()
                 state.step += 1
                 if lost_at:
-                    print(f"worker {hvd.rank()}: resumed in {time.time() - lost_at[0]:.3f} s "
+                    print(f"worker {hvd.rank()}: resumed in {time.time() - lost_at[-1]:.3f} s "
                           f"at {time.time():.3f}", flush=True)
                     lost_at.clear()
                 print(f"worker {hvd.rank()}: step {state.step} of {hvd.size()} at {time.time():.3f}",
