@@ -337,7 +337,7 @@ class _Supervision:
             return
         if len(ended) == len(workers):
             print("[bpslaunch] every worker exited 0 without joining the cluster (none called "
-                  f"init()); stopping the scheduler and the servers", file=sys.stderr, flush=True)
+                  "init()); stopping the scheduler and the servers", file=sys.stderr, flush=True)
             self.term_at = now
             return
         self.unformed_since = self.unformed_since or now

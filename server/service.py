@@ -80,6 +80,7 @@ class Server:
         self._stalls_checked = 0.0  # when check_stalls last looked (once a heartbeat interval)
         self.workers = config.num_workers  # in the job now (elastic jobs re-form with fewer)
         self.epoch = 0  # the membership's: pushes of an older one are dropped
+        self.started_as = -1  # its rank when the job formed (an elastic job renumbers servers)
         # pushes of a newer membership, until the scheduler's word of it comes (bounded in bytes
         # by PS_SERVER_MAX_BYTES, as the sums are)
         self.early: list[tuple[int, bytes, list]] = []
@@ -89,6 +90,7 @@ class Server:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
         try:
             self.link.register(self.port)
+            self.started_as = self.link.rank
             log.info("server %d serving on port %d (pid %d)", self.link.rank, self.port, os.getpid())
             poller = zmq.Poller()
             poller.register(self.data, zmq.POLLIN)
@@ -166,8 +168,9 @@ class Server:
         old membership, so all of it goes (the workers abandon those rounds and go back to
         their last committed state), and the pushes of the new one that came early are
         served now."""
-        log.warning("server %d: the job re-formed with %d worker(s) (epoch %d); %d round(s) in "
-                    "progress dropped", self.link.rank, workers, epoch, len(self.waiting))
+        log.warning("server %d (started as server %d): the job re-formed with %d worker(s) "
+                    "(epoch %d); %d round(s) in progress dropped", self.link.rank, self.started_as,
+                    workers, epoch, len(self.waiting))
         self.epoch, self.workers = epoch, workers
         self.aggregator = Aggregator(workers, self.resparsify, self.limits.max_keys,
                                      self.limits.max_bytes)

@@ -104,10 +104,12 @@ def test_below_the_minimum_the_job_waits_for_a_join_then_ends_naming_why():
     assert time.monotonic() - started < 60
 
 
-def test_a_restarted_worker_joins_the_running_job():
+@pytest.mark.parametrize("wrapper", ["optimizer", "ddp"])
+def test_a_restarted_worker_joins_the_running_job(wrapper):
     # worker 1 dies at step 5; bpslaunch starts it again and it joins: parameters, optimizer
     # state and step counter from a survivor, then the job ends with all 3, bit-identical
-    result = elastic_job(3, 2, 2, "--kill=1:5", "--step-s=0.15", steps=50,
+    # (byteps' DDP wrapper broadcasts as it is made, except in a joiner)
+    result = elastic_job(3, 2, 2, "--kill=1:5", "--step-s=0.15", "--wrapper", wrapper, steps=50,
                          launcher=("--restarts", "1"))
     check_finished(result, 3, steps=50)
     joins = join_to_first_step(result.stdout)
@@ -262,3 +264,74 @@ def test_a_lost_server_moves_its_keys_and_the_job_goes_on():
         in result.stdout
     gap = kill_to_next_step(f"{result.stdout}\nserver 1: killed after step 6 at {killed[0]}")
     assert gap[0] <= GOAL_S, (gap, result.stdout)
+
+
+def test_a_server_lost_while_the_job_waits_below_its_minimum_keeps_it_waiting():
+    # workers 1 and 2 die at step 5 (at least 2): the job waits; server 1 is then killed:
+    # its keys move, but the one worker left must not train alone, and the wait runs out
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
+           "--num-servers", "2", "--min-workers", "2", "--timeout", "100", "--", sys.executable,
+           PROGRAM, "--steps", "40", "--step-s=0.05", "--kill=1:5", "--kill=2:5"]
+    result, killed = run_and_kill(cmd, {**os.environ, **FAST, **ELASTIC, "PS_ELASTIC_TIMEOUT_S": "8"},
+                                  r"for 1 more to join \(epoch", "server", 1, timeout=120)
+    out = result.stdout
+    assert len(killed) == 1 and result.returncode != 0, out
+    assert "its keys move to the other server(s); only 1 worker(s) remain" in out, out
+    assert "no worker joined to make up the rest within 8 s" in out, out
+    assert not re.search(r"step \d+ of 1 at", out), out  # never a step below the minimum
+
+
+def test_a_joiner_waiting_on_a_worker_whose_connection_came_back_is_taken_in():
+    # a joiner registers while a worker's connection is closed (its loss would take the
+    # joiner in with one re-form); the connection comes back: the joiner goes in all the same
+    from adtopk_ps.cluster.membership import ClusterConfig
+    from adtopk_ps.cluster.node import Node
+    from adtopk_ps.cluster.scheduler import Scheduler
+    from adtopk_ps.launcher import free_port
+    env = {"DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_URI": "127.0.0.1",
+           "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "1",
+           "PS_MIN_WORKERS": "2"}
+    scheduler = Scheduler(ClusterConfig.from_env(env))
+    try:
+        now = time.monotonic()
+        scheduler.nodes = {b"s0": Node(b"s0", "server", 0, "tcp://h:1", now, 10, started_as=0),
+                           b"w0": Node(b"w0", "worker", 0, "h", now, 11, started_as=0),
+                           b"w1": Node(b"w1", "worker", 1, "h", now, 12, started_as=1)}
+        scheduler.started, scheduler.workers = True, 2
+        scheduler.conns.open.update({10, 11, 12})
+        scheduler._connection_closed(12)  # w1's connection closes (a blip, zmq reconnects)
+        scheduler.conns.open.discard(12)
+        scheduler._join(Node(b"j", "worker", -1, "h", now, 13, started_as=2))
+        assert scheduler.joining and scheduler.epoch == 0  # held for w1's verdict
+        scheduler.conns.open.add(14)  # w1 speaks again on a new connection
+        w1 = scheduler.nodes[b"w1"]
+        w1.fd, w1.last_seen = 14, time.monotonic()
+        assert scheduler._closed_node() is None and w1.closed_at is None
+        scheduler._take_in()
+        assert not scheduler.joining and scheduler.epoch == 1 and scheduler.workers == 3
+        assert scheduler.nodes[b"j"].rank == 2
+    finally:
+        scheduler.conns.close()
+        scheduler.sock.close(0)
+
+
+def test_a_worker_lost_after_the_others_finished_every_step_fails_nothing():
+    # worker 2 dies in the commit after the last step: the others have finished every step
+    # with it, so the job is done (exit 0), its loss recorded
+    result = elastic_job(3, 2, 2, "--kill=2:16", "--when", "mid-commit")
+    out = result.stdout
+    assert result.returncode == 0, out
+    done = survivors(out)
+    assert len(done) == 2 and {(step, size) for step, _, size in done} == {(STEPS, 3)}, out
+    assert len({digest for _, digest, _ in done}) == 1
+    assert "the other workers had finished every step, so the job is done" in out
+
+
+def test_losing_every_worker_ends_the_job_instead_of_starting_over():
+    # both workers die at once: nobody holds the training state for a joiner, so restarts
+    # would train from scratch and report success; the job ends, naming why
+    result = elastic_job(2, 1, 1, "--kill=0:5", "--kill=1:5", "--step-s=0.05", steps=40,
+                         launcher=("--restarts", "2"))
+    assert result.returncode != 0, result.stdout
+    assert "no other worker remains to hand the training state to one that joins" in result.stdout
+    assert "done step=40" not in result.stdout

@@ -399,10 +399,13 @@ def test_a_worker_that_exits_0_before_the_others_join_ends_the_job_as_a_failure(
     assert time.monotonic() - began < 40
 
 
-@pytest.mark.parametrize("variable, theirs", [("DMLC_NUM_WORKER", "3"), ("DMLC_NUM_SERVER", "2")])
+@pytest.mark.parametrize("variable, theirs", [("DMLC_NUM_WORKER", "3"), ("DMLC_NUM_SERVER", "2"),
+                                              ("BYTEPS_PARTITION_BYTES", "1024"),
+                                              ("PS_MIN_WORKERS", "1")])
 def test_roles_given_another_cluster_shape_end_the_job_naming_the_variable(variable, theirs):
-    """A server started with another DMLC_NUM_WORKER (or DMLC_NUM_SERVER) than the scheduler:
-    both end within seconds, naming the variable, each side's value and the host."""
+    """A server started with another DMLC_NUM_WORKER (or DMLC_NUM_SERVER, key size, elastic
+    bound) than the scheduler: both end within seconds, naming the variable, each side's
+    value and the host."""
     env = _by_hand(workers=2, servers=1)
     began = time.monotonic()
     scheduler = subprocess.Popen(LAUNCH, env={**env, "DMLC_ROLE": "scheduler"},

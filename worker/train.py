@@ -181,7 +181,9 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
     opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
                                    compression, nonfinite=cfg["nonfinite"])
     batch, seed, base_lr = cfg["batch_size"], cfg["seed"], cfg["optimizer"].get("lr", 0.01)
-    total = cfg["steps"] or cfg["epochs"] * -(-len(data.x_train) // (batch * bps.size()))
+    # by the job's shape, the same on every worker (a joiner's size() is the job's now)
+    per_step = batch * bps.client().config.num_workers
+    total = cfg["steps"] or cfg["epochs"] * -(-len(data.x_train) // per_step)
     every = cfg["elastic"].get("commit_every", 1)
     state, client = elastic.new_state(model, opt), bps.client()
     log: list[MetricsLog] = []  # opened by whichever worker is rank 0 when a record is due

@@ -128,6 +128,7 @@ class Engine:
         self.resumed.set()
         self.waiting = ""
         self._rebook: list[str] | None = None  # the servers of a re-form, to connect to
+        self.joined_epoch = 0  # the epoch of a running job this worker joined (0: from its start)
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: list[Job] = []  # between the queue and the wire
@@ -227,6 +228,7 @@ class Engine:
             self.rank = link.rank
             # a worker that joined a running elastic job: its membership's
             self.epoch, self.size = book.get("epoch", 0), book.get("num_workers", self.size)
+            self.joined_epoch = self.epoch
             self._connect(link, book["servers"], servers, watches)
             self._ready.set()
             self._serve(link, servers, watches)

@@ -250,6 +250,12 @@ class PSClient:
             raise ClusterError("the parameter-server client has been shut down")
 
     @property
+    def joined_epoch(self) -> int:
+        """The epoch of the running (elastic) job this worker joined; 0 for one there from the
+        start. A joiner takes the others' state from them (``adtopk_ps.torch.elastic``)."""
+        return self._engine.joined_epoch
+
+    @property
     def epoch(self) -> int:
         """How many times the job has re-formed (elastic jobs)."""
         return self._engine.epoch

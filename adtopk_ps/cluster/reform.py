@@ -69,7 +69,18 @@ class Reforming:
             log.warning("%s went away before it was taken in: %s", lost.label, why)
             del self.joining[lost.identity]
             return None
-        if not self._changeable() or lost.role == "server" and len(self._ranked("server")) == 1:
+        others = [n for n in self._ranked(lost.role) if n is not lost]
+        if self.config.elastic and lost.role == "worker" and others and \
+                all(n.finished for n in others):
+            # the others finished every step: nothing waits for it (a finish comes behind a
+            # worker's last push), so the job is done without it
+            log.warning("%s lost: %s; the other workers had finished every step, so the job is "
+                        "done", lost.label, why)
+            del self.nodes[lost.identity]
+            _record("lost", lost)
+            self._all_finished()  # (it is) the servers are told to shut down
+            return self._done()
+        if not self._changeable() or not others:  # no worker or server left to go on with
             return self._lose(lost, why)
         del self.nodes[lost.identity]
         _record("lost", lost)
@@ -81,13 +92,10 @@ class Reforming:
         return None
 
     def _settle(self, what: str | None) -> None:
-        """After a loss (``what``) or a join (None): re-form, taking in every joiner, when
+        """After a loss (``what``) or for joiners (None): re-form, taking in every joiner, when
         that makes the minimum; otherwise (a loss) re-form paused and wait for joiners."""
         minimum = self.config.bounds[0]
         if len(self._ranked()) + len(self.joining) < minimum:
-            if what is None:  # a join that leaves the job short still
-                log.warning("%s", self._why_short())
-                return
             self.short_since = self.short_since or time.monotonic()
             self._short_notice = 0.0
             self._reform(what, paused=True)
@@ -142,11 +150,19 @@ class Reforming:
         return None
 
     def _join(self, node: Node) -> None:
-        """Take a registered worker into the running job: at once, with the re-form of a
-        loss seen but not yet settled, or (below the minimum) once enough have come."""
+        """A registered worker waits to be taken into the running job (:meth:`_take_in`)."""
         self.joining[node.identity] = node
         log.info("worker at %s registered to join the running job", node.address)
-        if not any(n.closed_at is not None for n in self._ranked()):
+        self._take_in()
+
+    def _take_in(self) -> None:
+        """Take the waiting joiners in: at once, unless a worker's connection has closed (they
+        come in with the re-form of its loss, if it is lost) or the job is short of its
+        minimum (they come in once enough have come)."""
+        if not self.joining or any(n.closed_at is not None for n in self._ranked()):
+            return
+        if self.short_since is None or \
+                len(self._ranked()) + len(self.joining) >= self.config.bounds[0]:
             self._settle(None)
 
     # -- the re-form -----------------------------------------------------------------------

@@ -35,6 +35,10 @@ from adtopk_ps.wire import Op
 log = logging.getLogger("adtopk_ps.scheduler")
 
 
+def _shown(value: object) -> str:
+    return "unset" if value is None else str(value)
+
+
 class Scheduler(Reforming):
     """The scheduler's state: the nodes, the collectives being agreed and who has finished."""
 
@@ -78,8 +82,7 @@ class Scheduler(Reforming):
                 poller.poll(int(min(cfg.heartbeat_interval, RECONNECT_GRACE / 4) * 1000))
                 for identity, *frames in drain(self.sock):
                     if self._on_message(identity.bytes, frames, identity.get(zmq.SRCFD)):
-                        self._await_hangups(2.0)  # the shutdown notices leave before we do
-                        return self.status if self.failures else 0
+                        return self._done()
                 if self.fatal is not None:
                     return self._end_job(*self.fatal)
                 for fd in self.conns.update():
@@ -90,6 +93,7 @@ class Scheduler(Reforming):
                 status = self._lost(*lost) if lost is not None else self._check_short()
                 if status is not None:
                     return status
+                self._take_in()
                 if not self.started and time.monotonic() >= notice:
                     have = self._count()
                     log.info("waiting for %d more server(s) and %d more worker(s); giving up in "
@@ -214,11 +218,16 @@ class Scheduler(Reforming):
         cfg = self.config
         for field, ours, variable in (
                 ("num_workers", cfg.num_workers, "DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE"),
-                ("num_servers", cfg.num_servers, "DMLC_NUM_SERVER")):
+                ("num_servers", cfg.num_servers, "DMLC_NUM_SERVER"),
+                # keys are cut by it: two sizes cut one tensor into keys that never match
+                ("partition_bytes", cfg.partition_bytes, "BYTEPS_PARTITION_BYTES"),
+                # a role that is not elastic would end the job where the others re-form
+                ("min_workers", cfg.min_workers, "PS_MIN_WORKERS"),
+                ("max_workers", cfg.max_workers, "PS_MAX_WORKERS")):
             theirs = extra.get(field)
             if theirs != ours:
-                return (f"the {role} at {host} has {variable} = {theirs}, the scheduler "
-                        f"{ours}: every role must be given the same values")
+                return (f"the {role} at {host} has {variable} = {_shown(theirs)}, the scheduler "
+                        f"{_shown(ours)}: every role must be given the same values")
         return None
 
     def _end_job(self, why: str, status: int) -> int:
@@ -333,6 +342,10 @@ class Scheduler(Reforming):
             log.info("%s finished", node.label)
         if node.role == "worker":
             self._deliver(self.coordinator.finished(node.rank))
+        return self._all_finished()
+
+    def _all_finished(self) -> bool:
+        """Whether every worker has finished; then the servers are told to shut down."""
         if all(n.finished for n in self.nodes.values() if n.role == "worker"):
             verdict = {"failed": "; ".join(self.failures), "status": self.status} if self.failures else {}
             for n in self.nodes.values():
@@ -384,12 +397,19 @@ class Scheduler(Reforming):
             del self.nodes[identity]
         return None
 
+    def _done(self) -> int:
+        """Every worker has finished: the job's exit status, once the servers have heard."""
+        self._await_hangups(2.0)  # the shutdown notices leave before we do
+        return self.status if self.failures else 0
+
     def _lose(self, lost: Node, why: str) -> int:
         what = f"{lost.label} lost: {why}"
         if self.config.elastic and not self._changeable():
             what += "; a worker has already finished, so the job cannot re-form"
-        elif self.config.elastic:
+        elif self.config.elastic and lost.role == "server":
             what += "; no other server remains to take its keys"
+        elif self.config.elastic:
+            what += "; no other worker remains to hand the training state to one that joins"
         log.error("%s; telling every node", what)
         for node in [*self.nodes.values(), *self.joining.values()]:
             if node is not lost and not node.finished:

@@ -127,7 +127,9 @@ class SchedulerLink:
         wid = -1 if cfg.worker_id is None else cfg.worker_id
         self._send(Op.REGISTER, role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
                    num_workers=cfg.num_workers, num_servers=cfg.num_servers,
-                   job=os.environ.get("PS_JOB_ID", ""), **self._server_id)
+                   partition_bytes=cfg.partition_bytes, min_workers=cfg.min_workers,
+                   max_workers=cfg.max_workers, job=os.environ.get("PS_JOB_ID", ""),
+                   **self._server_id)
         limit = register_timeout()
         began = time.monotonic()
         notice = began + WAIT_NOTICE_S[0]
@@ -223,7 +225,8 @@ class SchedulerLink:
         if expect_scheduler and now - self._last_heard > self.config.heartbeat_timeout:
             raise ClusterError(f"scheduler at {self.config.scheduler_address} silent for "
                                f"{now - self._last_heard:.1f} s (timeout "
-                               f"{self.config.heartbeat_timeout:.1f} s); ending the job")
+                               f"{self.config.heartbeat_timeout:.1f} s; or this process was "
+                               f"stopped that long, and the job went on without it); ending")
 
     def negotiate(self, reqid: int, fields: dict, epoch: int = 0) -> None:
         """Ask the scheduler to agree a collective (coordinator.py); it answers ``agreed``

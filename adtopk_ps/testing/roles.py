@@ -112,11 +112,12 @@ def role_pids(root: int, role: str, started_as: int | None = None) -> list[int]:
     return found
 
 
-def run_and_kill(cmd: list[str], env: dict, pattern: str, role: str, started_as: int | None,
-                 timeout: float = 300) -> tuple[subprocess.CompletedProcess, list[float]]:
+def run_and_kill(cmd: list[str], env: dict, pattern: str, role: str,
+                 started_as: int | list[int] | None, timeout: float = 300
+                 ) -> tuple[subprocess.CompletedProcess, list[float]]:
     """Run ``bpslaunch --local`` ``cmd`` to its end, sending SIGKILL to its ``role`` processes
-    (or the one started as ``started_as``) when a line of its output first matches
-    ``pattern``; its result, and the wall-clock time of each kill."""
+    (or those started as ``started_as``, one id or several) when a line of its output first
+    matches ``pattern``; its result, and the wall-clock time of each kill."""
     launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     lines, killed = [], []
@@ -125,7 +126,8 @@ def run_and_kill(cmd: list[str], env: dict, pattern: str, role: str, started_as:
         for line in launcher.stdout:
             lines.append(line)
             if not killed and re.search(pattern, line):
-                for pid in role_pids(launcher.pid, role, started_as):
+                ids = started_as if isinstance(started_as, list) else [started_as]
+                for pid in [p for i in ids for p in role_pids(launcher.pid, role, i)]:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(time.time())
             if time.monotonic() > deadline:

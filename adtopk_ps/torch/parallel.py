@@ -18,6 +18,7 @@ import torch
 
 from adtopk_ps.torch.compressors import Compression
 from adtopk_ps.torch.gradient_sync import for_wrapper
+from adtopk_ps.torch.runtime import client
 from adtopk_ps.torch.state_broadcast import broadcast_parameters
 
 
@@ -59,7 +60,8 @@ class DistributedDataParallel(torch.nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.gradient_sync = for_wrapper("ddp", named, compression)
         self._prefix = self.gradient_sync.key_prefix
-        broadcast_parameters(module.state_dict(), root_rank=0, prefix=f"{self._prefix}state")
+        if not client().joined_epoch:  # a joiner's first elastic sync hands it the state
+            broadcast_parameters(module.state_dict(), root_rank=0, prefix=f"{self._prefix}state")
         self._sync = True  # False inside no_sync()
         self._queued = False  # the end-of-backward callback is queued
         self._unsynced = False  # a backward pass has accumulated gradients not averaged yet
