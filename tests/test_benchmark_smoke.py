@@ -295,3 +295,18 @@ def test_convergence_shards_split_the_whole_plan_the_same_way_every_sitting():
     left = [r for r in runs if r not in done_by_one]
     assert convergence.shard(runs, left, 2, 2) == convergence.shard(runs, runs, 2, 2)
     assert convergence.shard(runs, left, 1, 2) == []
+
+
+def test_union_density_grows_with_the_workers_and_stays_within_the_independent_bound():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "union_density.py"), "--workers", "1", "2", "8",
+         "--at", "0", "--densities", "0.01"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    rows = {m[1]: [float(v) for v in m[3].split(" | ")] for m in
+            re.finditer(r"^\| 0 \| (\w+) \| 0.01 \| ([\d.]+) \| (.*) \|$", out, re.M)}
+    assert set(rows) == {"independent", "adtopk", "topk"}, out
+    for name in ("adtopk", "topk"):
+        one, two, eight = rows[name]
+        assert 0.009 < one < 0.012 and one < two < eight, (name, rows[name])  # W=1: its own
+        assert eight <= 8 * one + 1e-9  # a union holds at most all the selections
