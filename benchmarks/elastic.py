@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 from adtopk_ps.testing.roles import run_and_kill
 from adtopk_ps.testing.stats import join_to_first_step, kill_to_next_step
@@ -61,9 +62,17 @@ def accuracy(out: str) -> float:
     return found.pop()
 
 
-def spread(name: str, figures: list[float]) -> None:
-    print(f"\n{name} over {len(figures)} events: median {statistics.median(figures):.2f} s, "
-          f"min {min(figures):.2f}, max {max(figures):.2f}\n", flush=True)
+def series(title: str, count: int, one: Callable[[int], tuple[str, list[float]]]) -> None:
+    """Run ``one`` ``count`` times (each gives what it did and its figures), printing each
+    and then the figures' median and range."""
+    figures = []
+    for i in range(count):
+        what, got = one(i)
+        figures += got
+        print(f"{what}: {', '.join(f'{g:.2f}' for g in got)} s", flush=True)
+    if figures:
+        print(f"\n{title} over {len(figures)} events: median {statistics.median(figures):.2f} s, "
+              f"min {min(figures):.2f}, max {max(figures):.2f}\n", flush=True)
 
 
 def main() -> int:
@@ -75,35 +84,25 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps of each accuracy run")
     args = ap.parse_args()
     rng = random.Random(0)
-    measured = []
-    for i in range(args.jobs):
-        victims = rng.sample(range(5), 3)
-        at = sorted(rng.sample(range(1, 14), 3))
+
+    def worker_kills(i: int) -> tuple[str, list[float]]:
+        victims, at = rng.sample(range(5), 3), sorted(rng.sample(range(1, 14), 3))
         when = ["before-push", "mid-push"][i % 2]
         out = job(5, ["--when", when, *(f"--kill={v}:{s}" for v, s in zip(victims, at))], 16)
-        measured += kill_to_next_step(out)
-        print(f"job {i + 1}: {when}, kills {list(zip(victims, at))}: "
-              f"{', '.join(f'{g:.2f}' for g in kill_to_next_step(out))} s", flush=True)
-    if measured:
-        spread("worker kill to next step", measured)
-    joins = []
-    for i in range(args.joins):
+        return f"job {i + 1}: {when}, kills {list(zip(victims, at))}", kill_to_next_step(out)
+
+    def joins(i: int) -> tuple[str, list[float]]:
         victim = rng.randrange(3)
         out = job(3, [f"--kill={victim}:5", "--step-s=0.1"], 50, restarts=1)
-        joins += join_to_first_step(out)
-        print(f"join {i + 1}: worker {victim} restarted: "
-              f"{', '.join(f'{g:.2f}' for g in join_to_first_step(out))} s", flush=True)
-    if joins:
-        spread("a joiner's registration to its first step", joins)
-    lost = []
-    for i in range(args.server_kills):
+        return f"join {i + 1}: worker {victim} restarted", join_to_first_step(out)
+
+    def server_kills(i: int) -> tuple[str, list[float]]:
         server = rng.randrange(2)
         out = job(3, ["--step-s=0.05"], 30, kill_server=(server, 6))
-        lost += kill_to_next_step(out)
-        print(f"server kill {i + 1}: server {server}: "
-              f"{', '.join(f'{g:.2f}' for g in kill_to_next_step(out))} s", flush=True)
-    if lost:
-        spread("server kill to next step", lost)
+        return f"server kill {i + 1}: server {server}", kill_to_next_step(out)
+    series("worker kill to next step", args.jobs, worker_kills)
+    series("a joiner's registration to its first step", args.joins, joins)
+    series("server kill to next step", args.server_kills, server_kills)
     if args.seeds:
         print("| seed | undisturbed (3 workers) | worker 2 killed at step 40, server 1 at step "
               "80, worker 2 restarted |\n|---|---|---|")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -192,29 +193,37 @@ def test_a_worker_that_fails_on_its_own_still_fails_an_elastic_job():
     assert result.returncode == 3, result.stdout[-3000:]
 
 
-def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
-    # the client checks for a re-form, then queues: the engine refuses under its lock too,
-    # so a push or collective request of the old membership never goes out in the new one
+@contextmanager
+def idle_engine():
+    """A worker's engine whose thread never starts, for driving its re-form by hand."""
     import zmq
 
-    from adtopk_ps.client.engine import Engine, MembershipChanged
+    from adtopk_ps.client.engine import Engine
     from adtopk_ps.cluster.membership import ClusterConfig
     config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
                                      "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
                                      "DMLC_PS_ROOT_PORT": "9"})
     ctx = zmq.Context()
-    engine = Engine(config, ctx)  # its thread is never started
+    engine = Engine(config, ctx)
     try:
+        yield engine
+    finally:
+        engine.stop(0)
+        engine._wake_in.close(0)  # (the thread that closes it never ran)
+        ctx.term()
+
+
+def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
+    # the client checks for a re-form, then queues: the engine refuses under its lock too,
+    # so a push or collective request of the old membership never goes out in the new one
+    from adtopk_ps.client.engine import MembershipChanged
+    with idle_engine() as engine:
         engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "what": "worker 1 lost"})
         with pytest.raises(MembershipChanged, match="worker 1 lost; the job goes on with 1"):
             engine.submit(0, None, None, None, None, 0, None)
         with pytest.raises(MembershipChanged):
             engine.negotiate(engine.new_request(), {}, None)
         assert engine._jobs == [] and engine._agreements == {} and engine.size == 1
-    finally:
-        engine.stop(0)
-        engine._wake_in.close(0)  # (the thread that closes it never ran)
-        ctx.term()
 
 
 def test_an_acknowledgement_waits_until_the_old_membership_has_failed():
@@ -222,20 +231,11 @@ def test_an_acknowledgement_waits_until_the_old_membership_has_failed():
     # membership's calls could queue a request that fails there and still goes out (the
     # scheduler then sees it twice): acknowledgements wait for the end of the re-form, and
     # below the minimum for the next one
-    import zmq
-
-    from adtopk_ps.client.engine import Engine
-    from adtopk_ps.cluster.membership import ClusterConfig
     from adtopk_ps.torch.elastic import HostsUpdatedInterrupt
-    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "2",
-                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
-                                     "DMLC_PS_ROOT_PORT": "9"})
-    ctx = zmq.Context()
-    engine = Engine(config, ctx)  # its thread is never started
-    seen = []
-    fail_all = engine._fail_all
-    engine._fail_all = lambda error: (seen.append(engine.resumed.is_set()), fail_all(error))
-    try:
+    with idle_engine() as engine:
+        seen = []
+        fail_all = engine._fail_all
+        engine._fail_all = lambda error: (seen.append(engine.resumed.is_set()), fail_all(error))
         engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "what": "worker 1 lost",
                          "waiting": "only 1 worker(s) remain"})
         assert seen == [False] and not engine.resumed.is_set()  # paused: it waits on
@@ -243,10 +243,6 @@ def test_an_acknowledgement_waits_until_the_old_membership_has_failed():
                          "joined": True})
         assert seen == [False, False] and engine.resumed.is_set()
         assert isinstance(engine.changed, HostsUpdatedInterrupt)  # joins only: horovod's name
-    finally:
-        engine.stop(0)
-        engine._wake_in.close(0)
-        ctx.term()
 
 
 def test_a_lost_server_moves_its_keys_and_the_job_goes_on():
