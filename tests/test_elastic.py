@@ -78,7 +78,7 @@ def test_repeated_kills_at_bad_moments_leave_the_others_training(when, seed):
 def test_a_worker_killed_in_the_start_up_agreement_leaves_the_others_training():
     result = elastic_job(3, 2, 2, "--when", "start-up", "--kill=1:0")
     check_finished(result, 2)
-    assert "going on with 2 worker(s) (epoch 1" in result.stdout
+    assert "going on with 2 worker(s) and 2 server(s) (epoch 1" in result.stdout
 
 
 def test_workers_killed_at_once_and_while_the_others_re_form():

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from procs import DIGITS_CNN as CONFIG
 from procs import bpslaunch
 from procs import checksums as _checksums
@@ -90,7 +92,10 @@ def test_resumed_run_continues_from_the_same_step_with_identical_state(tmp_path)
 def test_every_config_runs(tmp_path):
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         summary = tmp_path / f"{config.stem}.json"
-        result = bpslaunch("--local", "--num-workers", "1", "--num-servers", "1", "--timeout", "200",
+        elastic = yaml.safe_load(config.read_text()).get("elastic")  # its cluster's bounds
+        shape = ("--num-workers", str(elastic["min_workers"]), "--min-workers",
+                 str(elastic["min_workers"])) if elastic else ("--num-workers", "1")
+        result = bpslaunch("--local", *shape, "--num-servers", "1", "--timeout", "200",
                            "--", sys.executable, "-m", "worker", "--config", str(config),
                            "--steps", "2", "--set", "batch_size=4", "--metrics-out", str(summary),
                            timeout=240)

@@ -34,8 +34,10 @@ def kill_to_next_step(out: str) -> list[float]:
     elastic job's output (tests/programs/elastic_train.py prints ``killed after step S at T``
     for a worker it kills, the tests and benchmarks the same for a server, and a survivor
     ``resumed in D s at T`` with its first step after a re-form, D after the last one;
-    wall-clock seconds). Only a re-form after the kill counts: a step that merely ended after
-    it may have had its answers before, and a resumption may follow an earlier re-form.
+    and ``step N of W at T`` after every step; wall-clock seconds). Only a re-form after the
+    kill counts: a step that merely ended after it may have had its answers before, and a
+    resumption may follow an earlier re-form. A kill before training (in the start-up
+    agreement, re-formed before any step) counts to the first step.
 
     Example::
 
@@ -43,8 +45,13 @@ def kill_to_next_step(out: str) -> list[float]:
     """
     resumed = [(float(t) - float(d), float(t))
                for d, t in re.findall(r"resumed in ([\d.]+) s at ([\d.]+)", out)]
+    steps = [float(t) for t in re.findall(r"step \d+ of \d+ at ([\d.]+)", out)]
     kills = sorted(float(t) for t in re.findall(r"killed after step \d+ at ([\d.]+)", out))
-    return [min(t for reformed, t in resumed if reformed > kill) - kill for kill in kills]
+    gaps = []
+    for kill in kills:
+        after = [t for reformed, t in resumed if reformed > kill] or [t for t in steps if t > kill]
+        gaps.append(min(after) - kill)
+    return gaps
 
 
 def join_to_first_step(out: str) -> list[float]:
