@@ -119,10 +119,7 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
     rank, size = join(cfg, device)
     agree_on_config(cfg, device)
     data = dataset.shard(rank, size).to(device)
-    model = build(cfg["model"], cfg["model_args"]).to(device)  # built on the CPU: one init anywhere
-    compression = make_compression(cfg)
-    opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
-                                   compression, nonfinite=cfg["nonfinite"])
+    model, compression, opt = make_model(cfg, device)
     batch = cfg["batch_size"]
     total = cfg["steps"] or cfg["epochs"] * data.batches_per_epoch(batch)
     start, committed = starting_step(args, model, opt, cfg, total)
@@ -156,16 +153,11 @@ def train(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
         if checkpoints and ((step + 1) % cfg["checkpoint_every"] == 0 or last):
             checkpoints.commit(model, opt, step=step + 1, job=checkpoint.job_identity(cfg))
     bar.close()
-    wall = time.perf_counter() - began
-    accuracy, test_loss = evaluate(model, data)
-    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": loss_value, "steps": end,
-               "samples_per_s": size * batch * done / wall if done else 0.0, **traffic(client, opt),
-               "compressor": compression.compressor.name if compression.compressor else "none",
-               "wall_s": wall, "workers": size, "rank": rank, "checksum": checkpoint.parameters_digest(model)}
+    result = summary(model, data, compression, opt, loss_value, end, size * batch * done, began)
     if log is not None:
         log.close()
     bps.shutdown()
-    return summary
+    return result
 
 
 def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> dict:
@@ -176,16 +168,13 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
     join(cfg, device)
     elastic.check_cluster(cfg, args.checkpoint_dir)
     data = dataset.to(device)
-    model = build(cfg["model"], cfg["model_args"]).to(device)
-    compression = make_compression(cfg)
-    opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
-                                   compression, nonfinite=cfg["nonfinite"])
+    model, compression, opt = make_model(cfg, device)
     batch, seed, base_lr = cfg["batch_size"], cfg["seed"], cfg["optimizer"].get("lr", 0.01)
+    state, client = elastic.new_state(model, opt), bps.client()
     # by the job's shape, the same on every worker (a joiner's size() is the job's now)
-    per_step = batch * bps.client().config.num_workers
+    per_step = batch * client.config.num_workers
     total = cfg["steps"] or cfg["epochs"] * -(-len(data.x_train) // per_step)
     every = cfg["elastic"].get("commit_every", 1)
-    state, client = elastic.new_state(model, opt), bps.client()
     log: list[MetricsLog] = []  # opened by whichever worker is rank 0 when a record is due
     seen = {"samples": 0, "loss": float("nan")}
     began = time.perf_counter()
@@ -220,17 +209,37 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
             if state.step % every == 0 or state.step == total:
                 state.commit()
     run(state)
-    wall = time.perf_counter() - began
-    accuracy, test_loss = evaluate(model, data)
+    result = summary(model, data, compression, opt, seen["loss"], state.step, seen["samples"],
+                     began)
     for opened in log:
         opened.close()
-    summary = {"accuracy": accuracy, "loss": test_loss, "train_loss": seen["loss"],
-               "steps": state.step, "samples_per_s": seen["samples"] / wall, **traffic(client, opt),
-               "compressor": compression.compressor.name if compression.compressor else "none",
-               "wall_s": wall, "workers": bps.size(), "rank": bps.rank(),
-               "checksum": checkpoint.parameters_digest(model)}
     bps.shutdown()
-    return summary
+    return result
+
+
+def make_model(cfg: dict, device: torch.device) -> tuple[nn.Module, bps.GradientCompression,
+                                                         bps.DistributedOptimizer]:
+    """The config's model on ``device`` (built on the CPU: one initialisation anywhere), its
+    gradient compression and the distributed optimizer over them."""
+    model = build(cfg["model"], cfg["model_args"]).to(device)
+    compression = make_compression(cfg)
+    opt = bps.DistributedOptimizer(make_optimizer(model, cfg["optimizer"]), model.named_parameters(),
+                                   compression, nonfinite=cfg["nonfinite"])
+    return model, compression, opt
+
+
+def summary(model: nn.Module, data: Dataset, compression: bps.GradientCompression,
+            opt: bps.DistributedOptimizer, train_loss: float, steps: int, samples: int,
+            began: float) -> dict:
+    """The run's summary: test accuracy and loss, throughput over the ``samples`` all workers
+    took since ``began``, traffic, and a digest of the parameters."""
+    wall = time.perf_counter() - began
+    accuracy, test_loss = evaluate(model, data)
+    return {"accuracy": accuracy, "loss": test_loss, "train_loss": train_loss, "steps": steps,
+            "samples_per_s": samples / wall if samples else 0.0, **traffic(bps.client(), opt),
+            "compressor": compression.compressor.name if compression.compressor else "none",
+            "wall_s": wall, "workers": bps.size(), "rank": bps.rank(),
+            "checksum": checkpoint.parameters_digest(model)}
 
 
 def join(cfg: dict, device: torch.device) -> tuple[int, int]:

@@ -270,8 +270,8 @@ class PSClient:
             log.warning("worker %d: %s", engine.rank, engine.waiting)
         if engine.error is not None:
             raise engine.error
-        with self._engine.lock:
-            self._engine.changed = None
+        with engine.lock:
+            engine.changed = None
         self._last.clear()
         self._collectives.clear()
         self._unnamed.clear()  # every survivor numbers its unnamed collectives afresh, alike

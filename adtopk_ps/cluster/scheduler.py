@@ -164,12 +164,12 @@ class Scheduler(Reforming):
         joining = self.started and role == "worker"
         if self.started and role != "worker":
             problem = "the job has already started"
-        elif joining:
-            problem = self._refuse_join()
         elif role not in ("server", "worker"):
             problem = f"role {role!r} cannot register"
         elif not isinstance(host, str) or not isinstance(port, int) or not isinstance(wid, int):
             problem = "register needs host (str), port (int) and worker_id (int)"
+        elif joining:
+            problem = self._refuse_join()
         elif self._count()[role] >= (cfg.num_servers if role == "server" else cfg.num_workers):
             problem = (f"all {role}s have already registered (expected "
                        f"{cfg.num_servers if role == 'server' else cfg.num_workers}: DMLC_NUM_SERVER, "
@@ -189,8 +189,6 @@ class Scheduler(Reforming):
             problem = (f"this scheduler runs job {job!r} (PS_JOB_ID); the {role} at {host} "
                        f"belongs to job {theirs!r}: a scheduler left from another run on this "
                        f"port?")
-        if problem is None and joining and not isinstance(host, str):
-            problem = "register needs host (str)"
         if problem is None and role in ("server", "worker"):
             problem = self._shape_disagrees(role, host, msg.extra)
             if problem and not joining:  # a joiner that disagrees is refused; the job goes on
@@ -201,8 +199,7 @@ class Scheduler(Reforming):
             return
         address = f"tcp://{host}:{port}" if role == "server" else f"{host}"
         if joining:
-            return self._join(Node(identity, role, -1, address, time.monotonic(), fd,
-                                   started_as=wid if isinstance(wid, int) else -1))
+            return self._join(Node(identity, role, -1, address, time.monotonic(), fd, started_as=wid))
         self.nodes[identity] = Node(identity, role, wid, address, time.monotonic(), fd)
         log.info("registered %s at %s", role, address)
         counts = self._count()

@@ -226,7 +226,7 @@ class SchedulerLink:
             raise ClusterError(f"scheduler at {self.config.scheduler_address} silent for "
                                f"{now - self._last_heard:.1f} s (timeout "
                                f"{self.config.heartbeat_timeout:.1f} s; or this process was "
-                               f"stopped that long, and the job went on without it); ending")
+                               f"stopped that long); ending the job")
 
     def negotiate(self, reqid: int, fields: dict, epoch: int = 0) -> None:
         """Ask the scheduler to agree a collective (coordinator.py); it answers ``agreed``
