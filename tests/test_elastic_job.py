@@ -66,7 +66,7 @@ def test_the_elastic_job_goes_on_without_lost_workers_and_takes_in_a_restart():
 
 
 def test_an_elastic_config_needs_a_cluster_that_matches_it(tmp_path):
-    # not elastic at all; elastic with other bounds; checkpoints on disk: each refused, named
+    # not elastic at all; elastic with other bounds: each refused, named
     plain = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--timeout", "60",
                       "--", sys.executable, "-m", "worker", "--config", CONFIG, "--steps", "5",
                       timeout=90)
@@ -76,7 +76,3 @@ def test_an_elastic_config_needs_a_cluster_that_matches_it(tmp_path):
                       "--steps", "5", timeout=90)
     assert other.returncode == 2 and "elastic.min_workers=2, the cluster PS_MIN_WORKERS=1" \
         in other.stdout, other.stdout
-    disk = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--min-workers", "2",
-                     "--timeout", "60", "--", sys.executable, "-m", "worker", "--config", CONFIG,
-                     "--steps", "5", "--checkpoint-dir", str(tmp_path), timeout=90)
-    assert disk.returncode == 2 and "--checkpoint-dir with an elastic job" in disk.stdout, disk.stdout

@@ -75,12 +75,19 @@ def generation_path(directory: str | os.PathLike, rank: int, step: int) -> Path:
 
 
 def generations(directory: str | os.PathLike, rank: int) -> dict[int, Path]:
-    """Worker ``rank``'s checkpoint files in ``directory``, by step: only names
-    :func:`generation_path` writes (``step8`` beside ``step00000008`` is not a second step 8)."""
-    pattern = re.compile(rf"worker{rank}-step(\d+)\.pt")
-    found = (pattern.fullmatch(p.name) for p in Path(directory).glob(f"worker{rank}-step*.pt"))
-    return {int(m.group(1)): Path(directory) / m.group(0) for m in found
-            if m and generation_path(directory, rank, int(m.group(1))).name == m.group(0)}
+    """Worker ``rank``'s checkpoint files in ``directory``, by step."""
+    return {step: path for (_, step), path in files(directory, rank).items()}
+
+
+def files(directory: str | os.PathLike, rank: int | None = None) -> dict[tuple[int, int], Path]:
+    """Worker ``rank``'s (None: every worker's) checkpoint files in ``directory``, by (rank,
+    step): only names :func:`generation_path` writes (``step8`` beside ``step00000008`` is
+    not a second step 8)."""
+    pattern = re.compile(r"worker(\d+)-step(\d+)\.pt")
+    found = (pattern.fullmatch(p.name) for p in Path(directory).glob(
+        f"worker{'*' if rank is None else rank}-step*.pt"))
+    return {(int(m[1]), int(m[2])): Path(directory) / m[0] for m in found
+            if m and generation_path(directory, int(m[1]), int(m[2])).name == m[0]}
 
 
 class Checkpoints:
@@ -99,18 +106,23 @@ class Checkpoints:
         checkpoints.commit(model, opt, step=20, job=job_identity(cfg))
     """
 
-    def __init__(self, directory: str | os.PathLike, keep: int, committed: list[int]) -> None:
+    def __init__(self, directory: str | os.PathLike, keep: int, committed: list[int],
+                 every_rank: bool = False) -> None:
         self.directory, self.keep = Path(directory), keep
         self.committed = sorted(committed)
+        self.every_rank = every_rank  # prune every rank's files (an elastic job's ranks change)
 
-    def commit(self, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, job: dict) -> Path:
-        """Write this worker's checkpoint of ``step``, commit it with every other worker's and
-        keep the newest ``keep`` committed generations. Every worker calls it at the same
-        steps; :class:`CheckpointError` on every worker alike when any worker's write failed."""
+    def commit(self, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, job: dict,
+               meta: dict | None = None) -> Path:
+        """Write this worker's checkpoint of ``step`` (its header holds ``meta`` too), commit
+        it with every other worker's and keep the newest ``keep`` committed generations.
+        Every worker calls it at the same steps; :class:`CheckpointError` on every worker
+        alike when any worker's write failed."""
         rank, workers = bps.rank(), bps.size()
         path = generation_path(self.directory, rank, step)
         try:
-            write(path, model, opt, {"job": job, "rank": rank, "step": step, "workers": workers})
+            write(path, model, opt, {**(meta or {}), "job": job, "rank": rank, "step": step,
+                                     "workers": workers})
             failure = None
         except OSError as exc:  # the file's temporary copy is gone; the older generations stay
             failure = f"worker {rank}: saving to {path} failed ({exc.strerror or exc})"
@@ -121,16 +133,16 @@ class Checkpoints:
             raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
                                   f"the job stops, and a rerun resumes from {then}")
         self.committed.append(step)
-        _record_commit(self.directory, rank, step)
+        record_commit(self.directory, rank, step)
         kept = set(self.committed[-self.keep:])
-        for old, file in generations(self.directory, rank).items():
+        for (_, old), file in files(self.directory, None if self.every_rank else rank).items():
             if old < step and old not in kept:
-                _remove(file, "an older generation")
+                remove(file, "an older generation")
         self.committed = sorted(kept)
         return path
 
 
-def _record_commit(folder: Path, rank: int, step: int) -> None:
+def record_commit(folder: Path, rank: int, step: int) -> None:
     """A record of the last committed step; the files themselves decide a resume, so a record
     that cannot be written (a disk that just filled) costs only its mention in messages."""
     record, tmp = folder / f"worker{rank}.commit", folder / f"worker{rank}.commit.tmp"
@@ -143,7 +155,7 @@ def _record_commit(folder: Path, rank: int, step: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _committed(folder: Path, rank: int) -> int | None:
+def recorded(folder: Path, rank: int) -> int | None:
     try:
         step = json.loads((folder / f"worker{rank}.commit").read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -151,7 +163,7 @@ def _committed(folder: Path, rank: int) -> int | None:
     return step if type(step) is int else None
 
 
-def _remove(path: Path, why: str) -> None:
+def remove(path: Path, why: str) -> None:
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:
@@ -166,7 +178,7 @@ def survey(directory: str | None, rank: int, workers: int, job: dict) -> Finding
     folder = Path(directory).resolve()
     for tmp in [*folder.glob(f"worker{rank}-step*.pt.tmp"), folder / f"worker{rank}.commit.tmp"]:
         if tmp.is_file():
-            _remove(tmp, "left by an interrupted save")
+            remove(tmp, "left by an interrupted save")
     held, faults = {}, []
     for step, path in sorted(generations(folder, rank).items()):
         try:
@@ -174,19 +186,21 @@ def survey(directory: str | None, rank: int, workers: int, job: dict) -> Finding
         except (Damaged, OSError) as exc:  # OSError: a file we may not read, say
             faults.append((str(path), "damaged", str(exc)))
             continue
-        if (meta["workers"], meta["rank"]) != (workers, rank):
+        if "elastic" in meta:
+            faults.append((str(path), "foreign", "saved by an elastic job"))
+        elif (meta["workers"], meta["rank"]) != (workers, rank):
             faults.append((str(path), "foreign", f"saved by worker {meta['rank']} of "
                                                  f"{meta['workers']}, this is worker {rank} of {workers}"))
         elif meta["job"] != job:
-            faults.append((str(path), "foreign", f"saved by another job: {_differences(meta['job'], job)}"))
+            faults.append((str(path), "foreign", f"saved by another job: {differences(meta['job'], job)}"))
         elif meta["step"] != step:
             faults.append((str(path), "damaged", f"holds step {meta['step']} under the name of step {step}"))
         else:
             held[step] = str(path)
-    return Finding(rank, str(folder), held, tuple(faults), _committed(folder, rank))
+    return Finding(rank, str(folder), held, tuple(faults), recorded(folder, rank))
 
 
-def _differences(saved: dict, job: dict) -> str:
+def differences(saved: dict, job: dict) -> str:
     keys = sorted(set(saved) | set(job))
     return ", ".join(f"{k}={saved.get(k)!r} where this job has {job.get(k)!r}"
                      for k in keys if saved.get(k) != job.get(k))
@@ -282,7 +296,7 @@ def restore(directory: str | None, model: nn.Module, opt: torch.optim.Optimizer,
         _check_loaded(path, load_into(path, model, opt), model)
     for held, file in mine.held.items():
         if held not in committed:
-            _remove(Path(file), "never committed")
+            remove(Path(file), "never committed")
     if rank == 0 and (step is not None or notes):
         print((f"resuming from step {step}, the newest step every worker holds intact"
                if step is not None else "starting fresh: no step was ever committed")

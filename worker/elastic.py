@@ -5,7 +5,8 @@ The job's cluster must be elastic too (``bpslaunch --min-workers``, or PS_MIN_WO
 PS_MAX_WORKERS on every role); the config's ``min_workers`` and ``max_workers``, where given,
 must be the cluster's. Training runs in ``adtopk_ps.torch.elastic.run`` with a
 ``TorchState`` committed in memory every ``commit_every`` steps; a joiner takes the newest
-commit. Each epoch's samples are drawn in one order (the seed and the epoch), and each step
+commit; with ``--checkpoint-dir`` every ``checkpoint_every`` steps go to disk too
+(elastic_checkpoint.py). Each epoch's samples are drawn in one order (the seed and the epoch), and each step
 deals the next ``workers x batch_size`` of them out by rank: after a re-form the rest of the
 epoch goes to the new ranks, so within an epoch no sample is lost or seen twice.
 """
@@ -19,9 +20,9 @@ from adtopk_ps.core.env import EnvError
 from .data import Dataset
 
 
-def check_cluster(cfg: dict, checkpoint_dir: str | None) -> None:
+def check_cluster(cfg: dict) -> None:
     """Refuse an elastic job config on a cluster that is not elastic, or whose bounds differ
-    from the config's, naming both sides; and disk checkpoints, which are kept by rank."""
+    from the config's, naming both sides."""
     spec, cluster = cfg["elastic"], bps.client().config
     if not cluster.elastic:
         raise EnvError("the job config has elastic set, but the cluster is not elastic: start it "
@@ -32,10 +33,6 @@ def check_cluster(cfg: dict, checkpoint_dir: str | None) -> None:
         if spec.get(key) is not None and spec[key] != have:
             raise EnvError(f"the job config has elastic.{key}={spec[key]}, the cluster {variable}"
                            f"={have} (or its default, DMLC_NUM_WORKER): give both the same value")
-    if checkpoint_dir:
-        raise EnvError("--checkpoint-dir with an elastic job: checkpoints on disk are kept by "
-                       "rank, which an elastic job changes; it commits in memory instead "
-                       "(elastic.commit_every)")
 
 
 def round_batch(data: Dataset, epoch: int, processed: int, rank: int, size: int,
@@ -61,5 +58,7 @@ def round_batch(data: Dataset, epoch: int, processed: int, rank: int, size: int,
 
 def new_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bps.elastic.TorchState:
     """What a commit saves: the model, the optimizer (with its residuals and step count), the
-    step and how far the epoch got."""
-    return bps.elastic.TorchState(model, opt, step=0, epoch=0, processed=0)
+    step and how far the epoch got; whether the job's start looked for checkpoints on disk
+    (``surveyed``), the steps committed there (``saved``), and the step it ends at (``end``)."""
+    return bps.elastic.TorchState(model, opt, step=0, epoch=0, processed=0, surveyed=False,
+                                  saved=[], end=0)

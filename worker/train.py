@@ -26,7 +26,7 @@ from adtopk_ps.torch.runtime import mark_failed
 from . import checkpoint
 from . import config as job_config
 from . import device as job_device
-from . import elastic
+from . import elastic, elastic_checkpoint
 from .data import Dataset, DatasetUnavailable, load
 from .models import build
 from .outputs import MetricsLog, OutputError, writable_outputs, write_summary
@@ -166,7 +166,7 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
     after a re-form the workers agree on the config again (a joiner for the first time) and
     go on from the newest commit."""
     join(cfg, device)
-    elastic.check_cluster(cfg, args.checkpoint_dir)
+    elastic.check_cluster(cfg)
     data = dataset.to(device)
     model, compression, opt = make_model(cfg, device)
     batch, seed, base_lr = cfg["batch_size"], cfg["seed"], cfg["optimizer"].get("lr", 0.01)
@@ -175,6 +175,8 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
     per_step = batch * client.config.num_workers
     total = cfg["steps"] or cfg["epochs"] * -(-len(data.x_train) // per_step)
     every = cfg["elastic"].get("commit_every", 1)
+    checkpoints = (checkpoint.Checkpoints(args.checkpoint_dir, cfg["checkpoint_keep"], [],
+                                          every_rank=True) if args.checkpoint_dir else None)
     log: list[MetricsLog] = []  # opened by whichever worker is rank 0 when a record is due
     seen = {"samples": 0, "loss": float("nan")}
     began = time.perf_counter()
@@ -182,7 +184,12 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
     @bps.elastic.run
     def run(state: bps.elastic.TorchState) -> None:
         agree_on_config(cfg, device)  # after every re-form: a joiner's first agreement
-        while state.step < total:
+        if not state.surveyed:  # the job's start (a joiner that comes later skips it)
+            state.saved = elastic_checkpoint.restore(args.checkpoint_dir, state, model, opt, cfg, total)
+            state.surveyed = True  # --stop-after counts from where the job resumed:
+            state.end = total if args.stop_after is None else min(total, state.step + args.stop_after)
+            state.commit()
+        while state.step < state.end:
             rank, size = bps.rank(), bps.size()
             for group in opt.param_groups:
                 group["lr"] = lr_at(state.step, total, base_lr, cfg["lr_schedule"])
@@ -197,8 +204,8 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
                 bps.verify_replicas(model, state.step)
             if args.checksums:
                 print(f"checksum step {state.step}: {checkpoint.parameters_digest(model)}", flush=True)
-            if rank == 0 and cfg["metrics"] and (state.step % cfg["eval_every"] == 0 or
-                                                 state.step == total):
+            last = state.step == state.end
+            if rank == 0 and cfg["metrics"] and (state.step % cfg["eval_every"] == 0 or last):
                 if not log:
                     log.append(MetricsLog(cfg["metrics"]))
                 record = {"step": state.step, "loss": seen["loss"], "workers": size,
@@ -206,7 +213,13 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
                           **traffic(client, opt)}
                 record["accuracy"], record["test_loss"] = evaluate(model, data)
                 log[0].append(record)
-            if state.step % every == 0 or state.step == total:
+            if checkpoints and (state.step % cfg["checkpoint_every"] == 0 or last):
+                checkpoints.committed = list(state.saved)  # the job's, a joiner's too
+                checkpoints.commit(model, opt, step=state.step, job=checkpoint.job_identity(cfg),
+                                   meta=elastic_checkpoint.meta(state, model))
+                state.saved = list(checkpoints.committed)
+                state.commit()
+            elif state.step % every == 0 or last:
                 state.commit()
     run(state)
     result = summary(model, data, compression, opt, seen["loss"], state.step, seen["samples"],

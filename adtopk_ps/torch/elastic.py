@@ -39,6 +39,7 @@ others to join, up to ``PS_ELASTIC_TIMEOUT_S``; a lost server still ends the job
 from __future__ import annotations
 
 import abc
+import contextlib
 import copy
 import functools
 import math
@@ -57,7 +58,7 @@ from adtopk_ps.torch.state_broadcast import broadcast_optimizer_state, broadcast
 #: horovod's name for the error a re-form raises in every worker's next call
 HorovodInternalError = MembershipChanged
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State",
-           "TorchState", "resume", "run"]
+           "TorchState", "own_residuals", "resume", "run"]
 
 T = TypeVar("T")
 
@@ -190,16 +191,32 @@ class TorchState(ObjectState):
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=root, prefix="elastic.model")
         if self.optimizer is not None:
-            sync = getattr(self.optimizer, "gradient_sync", None)
-            own = sync.state_dict()["compression"] if sync is not None else None
-            broadcast_optimizer_state(self.optimizer, root_rank=root, prefix="elastic")
-            if sync is not None:  # the root's step count, this worker's residuals
-                sync.load_state_dict({"compression": own, "steps": sync.state_dict()["steps"]})
+            with own_residuals(self.optimizer):
+                broadcast_optimizer_state(self.optimizer, root_rank=root, prefix="elastic")
         if self._samplers:
             states = broadcast_object({k: s.state_dict() for k, s in self._samplers.items()},
                                       root, "elastic.samplers")
             for name, sampler in self._samplers.items():
                 sampler.load_state_dict(states[name])
+
+
+@contextlib.contextmanager
+def own_residuals(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Whatever is loaded into ``optimizer`` inside (another worker's state, a checkpoint's),
+    its error-feedback residuals stay this worker's own: they hold what this worker has not
+    yet sent, and another's, added here too, would be sent twice. The step count is the
+    loaded one.
+
+    Example::
+
+        with own_residuals(optimizer):
+            optimizer.load_state_dict(saved)
+    """
+    sync = getattr(optimizer, "gradient_sync", None)
+    own = sync.state_dict()["compression"] if sync is not None else None
+    yield
+    if sync is not None:
+        sync.load_state_dict({"compression": own, "steps": sync.state_dict()["steps"]})
 
 
 def run(func: Callable[..., T]) -> Callable[..., T]:
