@@ -105,3 +105,33 @@ def test_axis_longer_than_uint16_widens_indices():
         assert int(p.indices.max()) > 0 and p.values.shape[1] == fibre_k(shape[1], 0.001)
     assert ADTopk(0.5).compress(torch.randn(3, 65536), "w").indices.dtype == torch.uint16
     assert ADTopk(0.5).compress(torch.randn(3, 256), "w").indices.dtype == torch.uint8
+
+
+@given(st.integers(2, 40), st.integers(2, 300), st.floats(0.005, 0.5), st.data())
+def test_refill_gives_the_live_rows_what_the_dead_rows_left(rows, length, ratio, data):
+    """Refill: each call keeps fibre_k(length, ratio / live) per live row, live being the
+    share of rows carried by the tensor's previous call, and so comes back to about the
+    density's entries; the selection is still each fibre's largest."""
+    comp, plain = ADTopk(ratio, refill=True), ADTopk(ratio)
+    live_before = 1.0
+    for _ in range(3):
+        dead = data.draw(st.lists(st.booleans(), min_size=rows, max_size=rows))
+        x = torch.randn(rows, length)
+        x[torch.tensor(dead)] = 0
+        p = comp.compress(x, "w")
+        k = min(length, fibre_k(length, min(1.0, ratio / live_before)))
+        carried = rows if p.rows is None else p.rows.numel()
+        assert p.values.shape[1] == k
+        kept = x[torch.arange(rows) if p.rows is None else p.rows]
+        assert torch.equal(p.indices.long(), rule_positions(kept, k))
+        # never fewer entries than without refill
+        assert p.values.numel() >= plain.compress(x, "w").values.numel()
+        live_before = max(1, carried) / rows
+    saved = ADTopk(ratio, refill=True)
+    saved.load_state_dict(comp.state_dict())  # a checkpoint keeps the shares
+    assert saved._fibres(x, "w", None) == comp._fibres(x, "w", None)
+
+
+def test_refill_must_be_a_boolean():
+    with pytest.raises(ValueError, match="refill must be true or false, got 'yes'"):
+        ADTopk(0.01, refill="yes")

@@ -317,6 +317,25 @@ def test_dead_rows_are_left_out_as_on_the_cpu_path():
 
 
 @interpreter_only
+@pytest.mark.parametrize("ef", ["vanilla", "none"])
+def test_refill_sizes_the_next_call_as_on_the_cpu_path(cpu_kernel, ef):
+    # a third of the rows dead: the kernel's second call keeps 4 entries per row, not 3
+    # (floor(300 x 0.01 x 12 / 8)), as the CPU path's does, and selects the same
+    g = sample((12, 300, 2), torch.float32, 4)
+    g[[0, 5, 6, 9]] = 0
+    spec = {"compressor": "adtopk", "k": 0.01, "ef": ef, "refill": True}
+    kernel = create(spec)
+    payloads = [kernel.compress(g, "w") for _ in range(2)]
+    fibre_triton.CPU_TENSORS = False
+    cpu = create(spec)
+    expected = [cpu.compress(g, "w") for _ in range(2)]
+    assert payloads[0].host is not None and payloads[1].values.shape == (8, 4, 2)
+    for got, want in zip(payloads, expected):
+        assert got.values.shape == want.values.shape
+        assert same_bits(got.decompress(), want.decompress())
+
+
+@interpreter_only
 def test_a_batch_reads_each_items_dead_rows_and_flags_as_its_own(cpu_kernel):
     # one reduction reads every item's live bytes, another every item's flags: dead rows and
     # a NaN in the first and last items stay theirs, the items between keep every row

@@ -44,5 +44,5 @@ def test_bad_specs_name_what_is_wrong(spec, params, words):
 
 
 def test_parameters_lists_what_each_compressor_takes():
-    assert parameters("adtopk") == ["ratio", "layout", "value_dtype"]
+    assert parameters("adtopk") == ["ratio", "layout", "value_dtype", "refill"]
     assert parameters("none") == ["value_dtype"]

@@ -6,6 +6,11 @@ each (out, kh, kw) fibre over the input channels does. Positions along axis 1
 are small, so they travel as uint8/uint16 and the row positions are implicit;
 rows that selected only zeros (units dead for the batch) are left out of the
 payload, which then names the rows it carries.
+
+With ``refill=True`` the entries the dead rows leave unused go to the live ones: each
+tensor's fibres keep ``fibre_k(shape[1], ratio / live)``, where ``live`` is the share of
+its rows that were live in its previous call (all, at first), so that the payload comes
+back to about the density's bytes.
 """
 from __future__ import annotations
 
@@ -42,11 +47,15 @@ class ADTopk(Compressor):
 
     name = "adtopk"
 
-    def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None):
+    def __init__(self, ratio: float = 0.01, layout: str = "axis", value_dtype: str | None = None,
+                 refill: bool = False):
         super().__init__(ratio, value_dtype)
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-        self.layout = layout
+        if not isinstance(refill, bool):
+            raise ValueError(f"refill must be true or false, got {refill!r}")
+        self.layout, self.refill = layout, refill
+        self._live: dict[str, float] = {}  # refill: each tensor's share of live rows, last call
         self._stages = StagePool()  # the CUDA kernel's buffers, reused once their payloads are answered
 
     def view_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -67,7 +76,7 @@ class ADTopk(Compressor):
         item = self._item(request, None)
         if item is not None:
             return next(self._launched([request], {0: item}))
-        view, k = self._fibres(tensor, ratio)
+        view, k = self._fibres(tensor, name, ratio)
         x = tensor.detach().reshape(view)
         positions = fibre_topk(x, k)
         selected = x.gather(1, positions)  # every fibre's NaN and infinities come first
@@ -75,7 +84,7 @@ class ADTopk(Compressor):
         rows = live_rows(values)  # as sent: a value fp16 rounds to zero counts as zero
         if rows is not None:
             values, positions = values.index_select(0, rows), positions.index_select(0, rows)
-        return self._payload(tensor, view, positions, values, not all_finite(selected), rows)
+        return self._payload(tensor, name, view, positions, values, not all_finite(selected), rows)
 
     def compress_with_feedback(self, tensor: torch.Tensor, residual: torch.Tensor, name: str,
                                step: int = 0, ratio: float | None = None) -> Payload | None:
@@ -91,12 +100,12 @@ class ADTopk(Compressor):
         item = self._item(request, residual)
         if item is not None:
             return next(self._launched([request], {0: item}))
-        view, k = self._fibres(tensor, ratio)
+        view, k = self._fibres(tensor, name, ratio)
         found = fibre_topk_feedback(residual.view(view), tensor.detach().reshape(view), k, live_only=True)
         if found is None:
             return None
         positions, values, rows = found
-        return self._payload(tensor, view, positions, values, not all_finite(values), rows)
+        return self._payload(tensor, name, view, positions, values, not all_finite(values), rows)
 
     def start(self, requests: list[Request]) -> Iterator[Payload]:
         """A batch: every tensor the CUDA kernel takes is selected in one launch per kernel
@@ -137,7 +146,7 @@ class ADTopk(Compressor):
         tensor = request.tensor
         if not self.accepts(tensor) or self.value_dtype not in (None, tensor.dtype):
             return None
-        view, k = self._fibres(tensor, request.ratio)
+        view, k = self._fibres(tensor, request.name, request.ratio)
         grad = tensor.detach()
         if grad.shape != view:  # (a view costs as much as the rest of the kernel's host work)
             grad = grad.reshape(view)
@@ -174,6 +183,7 @@ class ADTopk(Compressor):
                     got.update(zip(members, batch.results()))
                 view = tuple(items[i].x.shape)
                 s = got.pop(i)
+                self._note_live(r.name, view, s.rows)
                 yield Payload("fibre", tuple(r.tensor.shape), r.tensor.dtype, s.values, s.indices,
                               view=view, rows=s.rows, nonfinite=s.nonfinite,
                               host=(s.host_values, s.host_indices))
@@ -182,15 +192,37 @@ class ADTopk(Compressor):
             else:
                 yield self.compress_with_feedback(r.tensor, residuals[i], r.name, r.step, r.ratio)
 
-    def _fibres(self, tensor: torch.Tensor, ratio: float | None) -> tuple[tuple[int, ...], int]:
+    def _fibres(self, tensor: torch.Tensor, name: str,
+                ratio: float | None) -> tuple[tuple[int, ...], int]:
         """The view whose axis 1 the fibres run along, and how many entries each keeps."""
         view = self.view_of(tuple(tensor.shape))
-        return view, fibre_k(view[1], self._ratio(ratio))
+        density = self._ratio(ratio)
+        if self.refill:
+            density = min(1.0, density / self._live.get(name, 1.0))
+        return view, min(view[1], fibre_k(view[1], density))
 
-    @staticmethod
-    def _payload(tensor: torch.Tensor, view: tuple[int, ...], positions: torch.Tensor,
-                 values: torch.Tensor, nonfinite: bool, rows: torch.Tensor | None) -> Payload:
+    def state_dict(self) -> dict:
+        """Refill: each tensor's share of live rows, so a resumed job keeps its sizes."""
+        return {"live": dict(self._live)} if self._live else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        unknown = sorted(set(state) - {"live"})
+        if unknown:
+            raise ValueError(f"{self.name} state has unknown keys {unknown}")
+        self._live = {str(k): float(v) for k, v in state.get("live", {}).items()}
+
+    def _note_live(self, name: str, view: tuple[int, ...], rows: torch.Tensor | None) -> None:
+        """Refill: the share of ``name``'s rows carried this call (at least one row's)."""
+        if self.refill and view[0]:
+            carried = view[0] if rows is None else max(1, rows.shape[0])
+            self._live[name] = carried / view[0]
+
+    def _payload(self, tensor: torch.Tensor, name: str, view: tuple[int, ...],
+                 positions: torch.Tensor, values: torch.Tensor, nonfinite: bool,
+                 rows: torch.Tensor | None) -> Payload:
         """``rows``: the rows of the view carried, where the others selected only zeros."""
+        self._note_live(name, view, rows)
         return Payload("fibre", tuple(tensor.shape), tensor.dtype, values,
                        positions.to(index_dtype(view[1])), view=view, rows=rows, nonfinite=nonfinite)
 

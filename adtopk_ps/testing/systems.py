@@ -17,6 +17,8 @@ SYSTEMS = {
     # the cost model, and dense tensors all-reduced among the workers where that measures faster
     "ps-adtopk+hybrid": {"kind": "ps", "compressor": "adtopk", "cost": True, "dense": "auto"},
     "ps-adtopk-i": {"kind": "ps", "compressor": "adtopk-i"},
+    # the entries dead rows leave unused go to the live ones: about the density's bytes
+    "ps-adtopk+refill": {"kind": "ps", "compressor": "adtopk", "refill": True},
     # each layer's update applied in the next forward pass (adtopk_ps.torch.cross_barrier)
     "ps-adtopk+crossbarrier": {"kind": "ps", "compressor": "adtopk", "crossbarrier": True},
     "ddp-dense": {"kind": "ddp", "hook": "none"},
@@ -60,6 +62,7 @@ def ps_compression(system: dict, ratio: float):
     from adtopk_ps.compression import SparsificationPolicy
     name = system["compressor"]
     return bps.GradientCompression(
-        None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla"},
+        None if name == "none" else {"compressor": name, "k": ratio, "ef": "vanilla",
+                                     **({"refill": True} if system.get("refill") else {})},
         SparsificationPolicy(ratio if name != "none" else 1.0),
         measure_costs=system.get("cost", False), dense_transport=system.get("dense", "ps"))
