@@ -143,6 +143,9 @@ class Server:
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True,
                                           nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
+            if msg.extra.get("ack"):  # its sender's credit window (before any answer)
+                send(self.data, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
+                                            **wire.epoch_field(self.epoch)), identity)
         except (wire.WireError, PushRejected) as exc:
             if isinstance(exc, wire.WireError):
                 key, rnd = wire.envelope(frames)

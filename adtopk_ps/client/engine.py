@@ -9,9 +9,12 @@ sends each key as soon as its payload is ready (many keys in flight on one
 DEALER per server), and writes each answer into the handle's output as it
 arrives.
 
-Keys are never held back for credit: under BSP a round completes only when
-every worker has pushed it, so if workers held back different keys (their
-queues need not be in the same order) each would wait for the others.
+With ``BYTEPS_SCHEDULING_CREDIT`` (in partitions of ``BYTEPS_PARTITION_BYTES``) the
+pushes to each server pass a credit window (credit.py): at most that many bytes the
+server has not yet acknowledged receiving are on their way, and the rest wait in
+priority order, so an urgent push overtakes. Credit returns on receipt, never on the
+round's answer: under BSP a round completes only when every worker has pushed it, so
+workers holding back different keys until their answers came would wait for each other.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import torch
 import zmq
 
 from adtopk_ps import wire
+from adtopk_ps.client.credit import Outbox
 from adtopk_ps.client.handle import Handle
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
@@ -55,6 +59,12 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
     micros = env_int("PS_GIL_SWITCH_US", 200, minimum=0, environ=environ)
     if micros and micros / 1e6 < sys.getswitchinterval():
         sys.setswitchinterval(micros / 1e6)
+
+
+def credit_window(partition_bytes: int, environ: Mapping[str, str] | None = None) -> int:
+    """The credit window in bytes: ``BYTEPS_SCHEDULING_CREDIT`` partitions (0, the default:
+    none, every push leaves at once)."""
+    return env_int("BYTEPS_SCHEDULING_CREDIT", 0, minimum=0, environ=environ) * partition_bytes
 
 
 class PushPullError(RuntimeError):
@@ -135,6 +145,9 @@ class Engine:
         # by key, oldest round first; the engine thread's own. A key has two rounds in flight
         # when a join() stand-in's answer is still on its way as this worker pushes the next
         self._inflight: dict[int, deque[_Part]] = {}
+        # pushes waiting for credit (none without BYTEPS_SCHEDULING_CREDIT); the engine thread's
+        self.outbox = Outbox(credit_window(config.partition_bytes))
+        self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
         # the engine thread; its ``fail`` if the engine ends first)
@@ -287,6 +300,7 @@ class Engine:
             link.tick()
 
         self._keep_alive = keep_alive
+        self._sockets = servers  # (the same list: _connect refills it in place)
         finishing = False
         tick_ms = int(self.config.heartbeat_interval * 1000)
         while True:
@@ -307,6 +321,8 @@ class Engine:
                 commands, self._commands = self._commands, []
             # every push queued before a request or finish was queued goes out before it
             self._launch(servers)
+            if commands:
+                self.outbox.send_all(self._send_to)
             for op, reqid, fields in commands:
                 if op == Op.NEGOTIATE:
                     link.negotiate(reqid, fields, self.epoch)
@@ -423,13 +439,20 @@ class Engine:
             self.compress_seconds += time.perf_counter() - started
             rnd = self.rounds.get(key, 0)
             self.rounds[key] = rnd + 1
-            flag = {"nonfinite": True} if payload.nonfinite else {}
+            flags = {"nonfinite": True} if payload.nonfinite else {}
+            if self.outbox.window:
+                flags["ack"] = True  # a receipt brings the credit back
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
-                                 **flag, **wire.epoch_field(self.epoch))
-            self.bytes_pushed += sum(memoryview(f).nbytes for f in frames)
+                                 **flags, **wire.epoch_field(self.epoch))
+            size = sum(memoryview(f).nbytes for f in frames)
+            self.bytes_pushed += size
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname))
-            send(servers[server_of(key, len(servers))], frames)
+            self.outbox.post(server_of(key, len(servers)), job.priority, frames, (key, rnd), size,
+                             self._send_to)
+
+    def _send_to(self, server: int, frames: list) -> None:
+        send(self._sockets[server], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
         self.bytes_pulled += sum(memoryview(f).nbytes for f in frames)
@@ -441,6 +464,9 @@ class Engine:
             return  # an answer of the old membership's, whose rounds this worker abandoned
         if msg.op == Op.STALL:
             return self._on_stall(server, msg)
+        self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
+        if msg.op == Op.RECEIVED:
+            return
         waiting = self._inflight.get(msg.key)
         part = waiting.popleft() if waiting else None
         if waiting is not None and not waiting:
@@ -491,6 +517,7 @@ class Engine:
             calls, self._agreements = list(self._agreements.values()), {}
         parts = [p for waiting in self._inflight.values() for p in waiting]
         self._inflight.clear()
+        self.outbox.clear()
         for job in jobs:
             job.handle.fail(error)
         for part in parts:

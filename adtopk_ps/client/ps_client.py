@@ -307,9 +307,12 @@ class PSClient:
         return layout
 
     def _priority(self, name: str, priority: int | None) -> int:
-        """``priority``, or by declaration order: the later declared goes first (the backward
-        pass produces the last layers' gradients first)."""
-        return -self._order[name] if priority is None else priority
+        """``priority``, or by declaration order: with a credit window, by need (the first
+        declared goes first: the next forward pass needs the first layers first); without
+        one, the later declared first (the backward pass produces those first)."""
+        if priority is not None:
+            return priority
+        return self._order[name] if self._engine.outbox.window else -self._order[name]
 
 
 def _check_pushable(name: str, tensor: object) -> None:

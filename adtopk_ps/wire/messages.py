@@ -8,7 +8,8 @@ payload before any tensor is built, and raises only ``WireError``.
 
 A push may say ``nonfinite: true`` (its compressor saw a NaN or an infinity);
 a result then lists, in ``nonfinite``, the ranks whose pushes of that round
-said so, the same list to every worker.
+said so, the same list to every worker. A push may ask for a receipt (``ack: true``):
+the server sends ``received`` with its key and round as soon as it has taken it in.
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ from adtopk_ps.wire.frames import payload_buffers, payload_fields
 #:    third frame naming the rows carried; see frames.py)
 #: 4: collectives agreed at the scheduler (negotiate, agreed, blocked, standin); register
 #:    carries the cluster's shape
-PROTOCOL = 4
+#: 5: a push may ask for a receipt (``ack: true``, a worker's credit window); the server
+#:    then sends ``received`` for it before any answer
+PROTOCOL = 5
 
 
 class Op(str, Enum):
@@ -36,6 +39,7 @@ class Op(str, Enum):
 
     PUSH = "push"  # worker -> server: one key's payload for one round
     RESULT = "result"  # server -> worker: the round's sum
+    RECEIVED = "received"  # server -> worker: a push that asked (``ack``) has arrived
     REGISTER = "register"  # node -> scheduler: who it is and where it listens
     ADDRESSBOOK = "addressbook"  # scheduler -> node: its rank and the servers' addresses
     NEGOTIATE = "negotiate"  # worker -> scheduler: request ``round`` for a collective, by name
@@ -137,6 +141,8 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     extra = {k: v for k, v in header.items() if k not in _ENVELOPE}
     if "nonfinite" in extra:
         _check_nonfinite(op, extra["nonfinite"])
+    if "ack" in extra and (op != Op.PUSH or type(extra["ack"]) is not bool):
+        raise WireError(f"field 'ack' must be a bool on a push, got {extra['ack']!r:.60} on {op}")
     if "epoch" in extra and not (type(extra["epoch"]) is int and 0 < extra["epoch"] < 1 << 31):
         raise WireError(f"field 'epoch' must be a positive int, got {extra['epoch']!r:.60}")
     return Message(op, header["key"], header["round"], header["sender"], payload, extra)
