@@ -352,15 +352,24 @@ def crossbarrier(args: argparse.Namespace, work: Workload, compression, client) 
     plain = bps.DistributedOptimizer(
         torch.optim.SGD(base.parameters(), lr=0.01), base.named_parameters(),
         ps_compression(SYSTEMS["ps-adtopk"], args.ratio), overlap=True, key_prefix="barrier.")
-    waits: dict[str, list[float]] = {"step": [], "barrier": [], "other": []}
+    waits: dict[str, list[float]] = {"step": [], "ordered": [], "barrier": [], "other": []}
+
+    def credit(window: int, then=nothing):
+        def prepare():
+            client.credit = window
+            then()
+        return prepare
     kinds = {"compute": (nothing, repeated(work.compute, run)),
-             "step": (nothing, crossing_run(cb, work, waits["step"], run)),
-             "barrier": (lambda: plain.set_overlap(True), repeated(ps_step(plain, work, waits["barrier"], base), run)),
-             "other": (lambda: plain.set_overlap(False), repeated(ps_step(plain, work, waits["other"], base), run))}
+             "step": (credit(0), crossing_run(cb, work, waits["step"], run)),
+             "ordered": (credit(args.credit), crossing_run(cb, work, waits["ordered"], run)),
+             "barrier": (credit(0, lambda: plain.set_overlap(True)),
+                         repeated(ps_step(plain, work, waits["barrier"], base), run)),
+             "other": (credit(0, lambda: plain.set_overlap(False)),
+                       repeated(ps_step(plain, work, waits["other"], base), run))}
     interleaved(kinds, args.warmup, work.device)
     traffic = Traffic(client)
     times = interleaved(kinds, args.steps, work.device)
-    pushes = args.steps * run * 3  # the three PS kinds push the same
+    pushes = args.steps * run * 4  # the four PS kinds push the same
 
     def summary(kind: str) -> dict:
         return {**timing(times, waits, kind, args.steps, run), **traffic.per_push(pushes)}
@@ -368,8 +377,9 @@ def crossbarrier(args: argparse.Namespace, work: Workload, compression, client) 
     # (the routes are named by the cross-barrier's server keys, in the model's order)
     sizes = [p.numel() for p in model.parameters()]
     dense = [n for n, route in zip(sizes, compression.routes.values()) if route.dense]
-    return {**summary("step"), "barrier": summary("barrier"), "other": summary("other"),
-            "run": run, "dense": [len(dense), len(sizes), sum(dense) / sum(sizes)]}
+    return {**summary("step"), "ordered": summary("ordered"), "barrier": summary("barrier"),
+            "other": summary("other"), "run": run, "credit": args.credit,
+            "dense": [len(dense), len(sizes), sum(dense) / sum(sizes)]}
 
 
 def repeated(step, times: int):
@@ -413,7 +423,8 @@ def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> 
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--ratio", str(args.ratio), "--workers", str(args.workers), "--master", master_address(net),
+           "--ratio", str(args.ratio), "--credit", str(args.credit), "--workers", str(args.workers),
+           "--master", master_address(net),
            "--device", args.device] + \
         (["--paired"] if args.paired else [])
     procs = []
@@ -563,7 +574,8 @@ def system_table(by_system: dict, samples_per_step: int) -> list[str]:
         rows.append((system + (f" (chose {mode(r['overlap'])}{', every tensor dense' if every else ''})"
                                if "overlap" in r else ""), r))
         if "barrier" in r:  # crossing the barrier, against the plain optimizer at it
-            rows += [(f"{system}, at the barrier with overlap", r["barrier"]),
+            rows += [(f"{system}, ordered by need ({r['credit'] >> 10} KiB credit)", r["ordered"]),
+                     (f"{system}, at the barrier with overlap", r["barrier"]),
                      (f"{system}, at the barrier without overlap", r["other"])]
         elif "other" in r:
             rows.append((f"{system}, {mode(not r['overlap'])}", r["other"]))
@@ -593,15 +605,18 @@ def hidden_notes(by_system: dict) -> list[str]:
                    f"taking turns in one run)")
     crossing = by_system.get("ps-adtopk+crossbarrier", {})
     if "barrier" in crossing:
-        at, no = crossing["barrier"], crossing["other"]
+        at, no, ordered = crossing["barrier"], crossing["other"], crossing["ordered"]
         out.append(f"\nCrossing the barrier (ps-adtopk+crossbarrier): ADTopk compression + communication "
-                   f"hidden by the backward and the next forward pass: {hidden_share(crossing, no)}; by the "
-                   f"backward pass alone, at the barrier: {hidden_share(at, no)} (step "
-                   f"{1000 * crossing['step_s']:.0f} ms crossing the barrier, {1000 * at['step_s']:.0f} ms "
-                   f"with overlap at the barrier, {1000 * no['step_s']:.0f} ms without, forward + backward "
-                   f"alone {1000 * crossing['compute_s']:.0f} ms: the four taking turns in one run, in runs "
-                   f"of {crossing['run']} steps, the run crossing the barrier ending by waiting for its "
-                   f"last updates)")
+                   f"hidden by the backward and the next forward pass: {hidden_share(crossing, no)} with "
+                   f"the pushes as they come, {hidden_share(ordered, no)} with them ordered by need "
+                   f"behind a {crossing['credit'] >> 10} KiB credit window; by the backward pass alone, "
+                   f"at the barrier: {hidden_share(at, no)} (step {1000 * crossing['step_s']:.0f} ms "
+                   f"crossing the barrier, {1000 * ordered['step_s']:.0f} ms crossing it ordered, "
+                   f"{1000 * at['step_s']:.0f} ms with overlap at the barrier, {1000 * no['step_s']:.0f} ms "
+                   f"without, forward + backward alone {1000 * crossing['compute_s']:.0f} ms: the five "
+                   f"taking turns in one run, in runs of {crossing['run']} steps, each run crossing the "
+                   f"barrier ending by waiting for its last updates); crossing ordered against the "
+                   f"barrier with overlap: {at['step_s'] / ordered['step_s']:.2f}x")
     return out
 
 
@@ -704,6 +719,8 @@ def parse_args() -> argparse.Namespace:
                     help="runs of every system; the report keeps each system's fastest")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     ap.add_argument("--ratio", type=float, default=0.01)
+    ap.add_argument("--credit", type=int, default=128 << 10,
+                    help="ps-adtopk+crossbarrier's credit window when ordered by need, bytes")
     ap.add_argument("--scaling", action="store_true",
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")
     ap.add_argument("--paired", action="store_true",

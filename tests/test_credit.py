@@ -96,13 +96,13 @@ def test_no_window_sends_at_once_and_a_cleared_outbox_forgets():
     outbox.received(0, (1, 0), lambda s, f: pytest.fail("a cleared push was sent"))
 
 
-def test_the_credit_is_counted_in_partitions_and_checked():
-    assert credit_window(4096, {"BYTEPS_SCHEDULING_CREDIT": "4"}) == 16384
-    assert credit_window(4096, {}) == 0
-    with pytest.raises(EnvError, match="BYTEPS_SCHEDULING_CREDIT"):
-        credit_window(4096, {"BYTEPS_SCHEDULING_CREDIT": "-1"})
-    with pytest.raises(EnvError, match="BYTEPS_SCHEDULING_CREDIT"):
-        credit_window(4096, {"BYTEPS_SCHEDULING_CREDIT": "many"})
+def test_the_credit_is_counted_in_bytes_and_checked():
+    assert credit_window({"PS_CREDIT_BYTES": "16384"}) == 16384
+    assert credit_window({}) == 0
+    with pytest.raises(EnvError, match="PS_CREDIT_BYTES"):
+        credit_window({"PS_CREDIT_BYTES": "-1"})
+    with pytest.raises(EnvError, match="PS_CREDIT_BYTES"):
+        credit_window({"PS_CREDIT_BYTES": "many"})
 
 
 def test_a_receipt_is_asked_only_on_a_push():
@@ -116,11 +116,11 @@ def test_a_receipt_is_asked_only_on_a_push():
 
 
 def test_a_cluster_trains_with_a_window_of_one_partition_and_its_replicas_agree():
-    # partitions of 4 KiB and a window of one: almost every push waits for a receipt
+    # partitions of 4 KiB and a window of 4 KiB: almost every push waits for a receipt
     result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "2", "--", sys.executable,
                        "-m", "worker", "--config", DIGITS_CNN, "--steps", "30", "--checksums",
                        "--set", "progress=false",
-                       env={"BYTEPS_SCHEDULING_CREDIT": "1", "BYTEPS_PARTITION_BYTES": "4096"},
+                       env={"PS_CREDIT_BYTES": "4096", "BYTEPS_PARTITION_BYTES": "4096"},
                        timeout=240)
     out = result.stdout
     assert result.returncode == 0, out

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from adtopk_ps.testing.roles import run_and_kill
+from adtopk_ps.testing.roles import role_pids
 from procs import FAST, bpslaunch
 from worker import checkpoint, elastic_checkpoint
 from worker.checkpoint import REFUSED, CheckpointError, generation_path
@@ -30,45 +34,80 @@ def _copy(step, saved_by, workers=2, digest="d", folder="/ckpt"):
     return Copy(f"{folder}/worker{saved_by}-step{step:08d}.pt", step, saved_by, workers, digest, 0, 0)
 
 
-def _held(rank, *copies, committed=None, faults=(), folder="/ckpt"):
-    return Holdings(rank, folder, tuple(copies), tuple(faults), committed)
+def _held(rank, *copies, committed=(), faults=(), folder="/ckpt"):
+    return Holdings(rank, folder, tuple(copies), tuple(faults), tuple(committed))
 
 
 def test_the_newest_committed_step_is_resumed_from_any_copy_of_it():
-    # a shared folder: every worker sees every copy; step 30 is committed by its record
+    # a shared folder: every worker sees every copy; the records name steps 20 and 30
     shared = [_copy(20, 0), _copy(20, 1), _copy(30, 0), _copy(30, 1)]
-    chosen, notes, committed = decide([_held(0, *shared, committed=30), _held(1, *shared)], 100)
-    assert (chosen, notes, committed) == (_copy(30, 0), [], [20, 30])
+    records = [(20, "d"), (30, "d")]
+    chosen, notes, committed = decide([_held(0, *shared, committed=records), _held(1, *shared)], 100)
+    assert (chosen, notes, committed) == (_copy(30, 0), [], {20: "d", 30: "d"})
     # one folder per host, the host of worker 0 gone: worker 1's copy of step 30 is enough
-    chosen, _, _ = decide([_held(0, committed=20, folder="/a"),
-                           _held(1, _copy(20, 1), _copy(30, 1), committed=30, folder="/b")], 100)
+    chosen, _, _ = decide([_held(0, committed=[(20, "d")], folder="/a"),
+                           _held(1, _copy(20, 1), _copy(30, 1), committed=records, folder="/b")], 100)
     assert chosen == _copy(30, 1)
 
 
 def test_a_step_not_every_worker_saved_was_never_committed_and_is_passed_over():
     # step 40: only worker 0 wrote it before the job ended; no record names it
-    chosen, notes, committed = decide([_held(0, _copy(30, 0), _copy(40, 0), committed=30),
-                                       _held(1, _copy(30, 1), committed=30)], 100)
-    assert chosen.step == 30 and committed == [30]
-    assert notes == ["step 40 was never committed (not every worker saved it): passed over"]
-    # every rank of that save holds a copy: committed, though no record reached the disk
+    chosen, notes, committed = decide([_held(0, _copy(30, 0), _copy(40, 0), committed=[(30, "d")]),
+                                       _held(1, _copy(30, 1), committed=[(30, "d")])], 100)
+    assert chosen.step == 30 and committed == {30: "d"}
+    assert notes == ["/ckpt/worker0-step00000040.pt (step 40) was never committed: passed over"]
+    # every rank of that save holds a copy alike: committed, though no record reached the disk
     chosen, _, _ = decide([_held(0, _copy(40, 0, workers=3)), _held(1, _copy(40, 1, workers=3)),
                            _held(2, _copy(40, 2, workers=3))], 100)
     assert chosen.step == 40
     assert decide([_held(0, _copy(4, 0)), _held(1)], 100) == \
-        (None, ["step 4 was never committed (not every worker saved it): passed over"], [])
-    assert decide([_held(0, folder=""), _held(1, folder="")], 100) == (None, [], [])
+        (None, ["/ckpt/worker0-step00000004.pt (step 4) was never committed: passed over"], {})
+    assert decide([_held(0, folder=""), _held(1, folder="")], 100) == (None, [], {})
+
+
+def test_a_copy_of_a_step_the_job_took_again_is_not_the_jobs_step():
+    """A save cut short by a kill: worker 2 wrote step 20 (parameters X), the others rolled
+    back and took step 20 again with two workers (Y), committing it; the record names Y."""
+    stale = _copy(20, 2, workers=3, digest="X")
+    again = [_copy(20, 0, digest="Y"), _copy(20, 1, digest="Y")]
+    records = [(10, "W"), (20, "Y")]
+    chosen, notes, committed = decide([_held(0, *again, stale, committed=records),
+                                       _held(1, *again, stale, committed=records)], 100)
+    assert chosen.digest == "Y" and committed == {20: "Y"}
+    assert notes == ["/ckpt/worker2-step00000020.pt (step 20) was never committed: passed over"]
+    # per-host folders, the stale copy's host back after missing a run (its record says 30)
+    chosen, _, _ = decide([_held(0, _copy(40, 0, 3, "B"), committed=[(40, "B")], folder="/w0"),
+                           _held(1, _copy(40, 1, 3, "B"), committed=[(40, "B")], folder="/w1"),
+                           _held(2, _copy(40, 2, 3, "A"), _copy(30, 2, 3, "C"),
+                                 committed=[(30, "C")], folder="/w2")], 100)
+    assert chosen.digest == "B"
+    # the committed copies damaged: back to step 30, never to the stale copy of 40
+    damaged = [("/w0/worker0-step00000040.pt", "damaged", "truncated")]
+    chosen, notes, _ = decide([_held(0, _copy(30, 0, 3, "C"), faults=damaged, committed=[(40, "B")],
+                                     folder="/w0"),
+                               _held(2, _copy(40, 2, 3, "A"), _copy(30, 2, 3, "C"),
+                                     committed=[(30, "C")], folder="/w2")], 100)
+    assert (chosen.step, chosen.digest) == (30, "C")
+    assert notes[-1] == "step 40 was committed, but no intact copy of it is left"
+
+
+def test_folders_at_one_path_on_every_host_are_told_apart_by_their_parameters():
+    # /ckpt on each host: worker 0's holds a stale step 40 (A), worker 1's the committed (B)
+    chosen, _, _ = decide([_held(0, _copy(40, 0, digest="A"), committed=[(30, "C")]),
+                           _held(1, _copy(40, 0, digest="B"), committed=[(40, "B")])], 100)
+    assert chosen.digest == "B"
 
 
 def test_a_damaged_copy_gives_way_to_an_intact_one_or_to_an_older_step():
     damaged = ("/ckpt/worker0-step00000030.pt", "damaged", "checksum mismatch")
     # the same damaged file in a shared folder is named once
-    chosen, notes, _ = decide([_held(0, _copy(30, 1), faults=[damaged], committed=30),
-                               _held(1, _copy(30, 1), faults=[damaged], committed=30)], 100)
+    chosen, notes, _ = decide([_held(0, _copy(30, 1), faults=[damaged], committed=[(30, "d")]),
+                               _held(1, _copy(30, 1), faults=[damaged], committed=[(30, "d")])], 100)
     assert chosen == _copy(30, 1)
     assert notes == ["/ckpt/worker0-step00000030.pt is damaged (checksum mismatch)"]
-    chosen, notes, _ = decide([_held(0, _copy(20, 0), faults=[damaged], committed=30),
-                               _held(1, _copy(20, 1), committed=30)], 100)
+    records = [(20, "d"), (30, "d")]
+    chosen, notes, _ = decide([_held(0, _copy(20, 0), faults=[damaged], committed=records),
+                               _held(1, _copy(20, 1), committed=records)], 100)
     assert chosen.step == 20 and notes[-1] == "step 30 was committed, but no intact copy of it is left"
 
 
@@ -80,41 +119,53 @@ def test_what_cannot_resume_the_job_is_refused_naming_the_file():
         return str(err.value)
     assert "--checkpoint-dir is given to some workers only: worker 0 has /ckpt; worker 1 has none" \
         in refused([_held(0), _held(1, folder="")])
-    assert "the copies of step 30 hold different parameters" in \
-        refused([_held(0, _copy(30, 0, digest="a"), committed=30), _held(1, _copy(30, 1, digest="b"))])
+    assert "the committed copies of step 30 hold different parameters" in \
+        refused([_held(0, _copy(30, 0, digest="a"), committed=[(30, "a")]),
+                 _held(1, _copy(30, 1, digest="b"), committed=[(30, "b")])])
     foreign = ("/ckpt/worker0-step00000010.pt", "foreign", "saved by a job that is not elastic")
-    assert "worker 0: /ckpt/worker0-step00000010.pt is foreign: saved by a job that is not elastic" \
-        in refused([_held(0, faults=[foreign]), _held(1)])
+    message = refused([_held(0, faults=[foreign]), _held(1, faults=[foreign])])
+    assert message.count("/ckpt/worker0-step00000010.pt is foreign: saved by a job that is not "
+                         "elastic") == 1  # a shared folder: named once
     assert "no intact copy of a committed step is left (step 30 was committed)" in \
-        refused([_held(0, committed=30), _held(1)])
-    assert "at step 30, at or beyond the job's 30 steps" in refused([_held(0, _copy(30, 0), committed=30)], 30)
+        refused([_held(0, committed=[(30, "d")]), _held(1)])
+    assert "at step 30, at or beyond the job's 30 steps" in \
+        refused([_held(0, _copy(30, 0), committed=[(30, "d")])], 30)
 
 
 @settings(max_examples=200, deadline=None)
 @given(saves=st.lists(st.tuples(st.integers(1, 4), st.lists(st.booleans(), min_size=4, max_size=4)),
                       min_size=0, max_size=6),
        folders=st.sampled_from(["shared", "per host"]))
-def test_the_resumed_step_is_always_one_every_worker_of_its_save_finished(saves, folders):
-    """A run of saves, each by W workers some of whom wrote their copy; a save is committed
-    only when all of them did (the record then names it), and a later save can only follow
-    a committed one. Whatever is left, the decision resumes the newest committed step."""
-    copies: list[Copy] = []
-    record, newest = None, None
-    for step, (workers, wrote) in enumerate(saves, 1):
-        made = [_copy(step * 10, r, workers) for r in range(workers) if wrote[r]]
-        copies += made
-        if len(made) == workers:
-            record = newest = step * 10
-        else:
-            break  # the job ended on the failed commit
+def test_the_resumed_step_is_always_the_jobs_newest_committed_one(saves, folders):
+    """A run of saves, each by W workers, some of whom wrote their copy before the save was
+    cut short; the job then took the step again (other parameters, a new save) until one
+    committed. Whatever is left on disk, the decision resumes the newest committed step,
+    with the parameters that were committed."""
+    files: dict[tuple[str, int, int], Copy] = {}  # (folder, rank, step) -> what the file holds
+    kept: dict[int, str] = {}
+    for attempt, (workers, wrote) in enumerate(saves):
+        step = 10 * (len(kept) + 1)
+        digest = f"{step}-{attempt}"
+        for r in range(workers):
+            if wrote[r]:
+                folder = "/ckpt" if folders == "shared" else f"/host{r}"
+                files[folder, r, step] = _copy(step, r, workers, digest, folder)
+        if all(wrote[:workers]):
+            kept[step] = digest
+    records = tuple(kept.items())
+    by_folder: dict[str, list[Copy]] = {}
+    for (folder, _, _), c in files.items():
+        by_folder.setdefault(folder, []).append(c)
     if folders == "shared":
-        holdings = [_held(r, *copies, committed=record) for r in range(2)]
+        holdings = [_held(r, *by_folder.get("/ckpt", []), committed=records) for r in range(2)]
     else:
-        holdings = [_held(r, *[c for c in copies if c.saved_by == r], committed=record,
-                          folder=f"/host{r}") for r in range(4)]
+        holdings = [_held(r, *by_folder.get(f"/host{r}", []), committed=records, folder=f"/host{r}")
+                    for r in range(4)]
     chosen, _, committed = decide(holdings, 1000)
-    assert (chosen.step if chosen else None) == newest
-    assert all(s <= (newest or 0) for s in committed)
+    newest = max(kept, default=None)
+    assert (chosen.step, chosen.digest) == (newest, kept[newest]) if kept else chosen is None
+    assert committed == {s: d for s, d in kept.items() if any(
+        (c.step, c.digest) == (s, d) for h in holdings for c in h.copies)}
 
 
 def _tiny(path: Path, step: int, rank: int, meta: dict | None) -> None:
@@ -144,14 +195,33 @@ def _job(folder, workers, steps, *extra, restarts=0, timeout=150):
             "--set", "elastic.min_workers=1", "--set", "checkpoint_every=10", *extra]
 
 
-def test_an_elastic_job_saves_through_kills_and_joins_and_resumes_with_other_workers(tmp_path):
-    # 3 workers, worker 2 killed at step 25 and its restart joining: every save still commits
+def test_a_kill_in_a_save_and_a_rerun_with_other_workers_resume_the_committed_steps(tmp_path):
+    # 3 workers; worker 2 is killed as soon as its copy of step 20 is on disk (inside the
+    # save: the others may have written theirs or not), and its restart joins. The job
+    # rolls step 20 back and takes it again, every later save commits, and a rerun with 2
+    # workers goes on from step 60's committed parameters
     env = {**os.environ, **FAST, "PS_HEARTBEAT_TIMEOUT_MS": "6000"}
-    first, killed = run_and_kill(_job(tmp_path, 3, 60, restarts=1), env, r"checksum step 25:",
-                                 "worker", 2, timeout=200)
-    assert first.returncode == 0 and killed, first.stdout
-    at_60 = set(re.findall(r"checksum step 60: (\w+)", first.stdout))
-    assert len(at_60) == 1, first.stdout
+    launcher = subprocess.Popen(_job(tmp_path, 3, 60, restarts=1), env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    killed = []
+
+    def kill_in_the_save():
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "worker2-step00000020.pt").exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        for pid in role_pids(launcher.pid, "worker", 2):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    watcher = threading.Thread(target=kill_in_the_save)
+    watcher.start()
+    try:
+        out, _ = launcher.communicate(timeout=200)
+    finally:
+        launcher.kill()
+        watcher.join()
+    assert launcher.returncode == 0 and killed, out
+    at_60 = set(re.findall(r"checksum step 60: (\w+)", out))
+    assert len(at_60) == 1, out
     held = sorted(p.name for p in tmp_path.glob("worker*-step*.pt"))
     assert {int(n[-11:-3]) for n in held} == {50, 60}, held  # the newest 2 generations only
     # the step-60 copies hold the first run's parameters

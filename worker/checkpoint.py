@@ -113,11 +113,11 @@ class Checkpoints:
         self.every_rank = every_rank  # prune every rank's files (an elastic job's ranks change)
 
     def commit(self, model: nn.Module, opt: torch.optim.Optimizer, *, step: int, job: dict,
-               meta: dict | None = None) -> Path:
+               meta: dict | None = None, record: dict | None = None) -> Path:
         """Write this worker's checkpoint of ``step`` (its header holds ``meta`` too), commit
-        it with every other worker's and keep the newest ``keep`` committed generations.
-        Every worker calls it at the same steps; :class:`CheckpointError` on every worker
-        alike when any worker's write failed."""
+        it with every other worker's and keep the newest ``keep`` committed generations; the
+        commit record holds ``record`` too. Every worker calls it at the same steps;
+        :class:`CheckpointError` on every worker alike when any worker's write failed."""
         rank, workers = bps.rank(), bps.size()
         path = generation_path(self.directory, rank, step)
         try:
@@ -133,7 +133,7 @@ class Checkpoints:
             raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
                                   f"the job stops, and a rerun resumes from {then}")
         self.committed.append(step)
-        record_commit(self.directory, rank, step)
+        record_commit(self.directory, rank, step, record)
         kept = set(self.committed[-self.keep:])
         for (_, old), file in files(self.directory, None if self.every_rank else rank).items():
             if old < step and old not in kept:
@@ -142,12 +142,13 @@ class Checkpoints:
         return path
 
 
-def record_commit(folder: Path, rank: int, step: int) -> None:
-    """A record of the last committed step; the files themselves decide a resume, so a record
-    that cannot be written (a disk that just filled) costs only its mention in messages."""
+def record_commit(folder: Path, rank: int, step: int, extra: dict | None = None) -> None:
+    """A record of the last committed step (and ``extra``); the files themselves decide a
+    plain job's resume, so a record that cannot be written (a disk that just filled) costs
+    only its mention in messages."""
     record, tmp = folder / f"worker{rank}.commit", folder / f"worker{rank}.commit.tmp"
     try:
-        tmp.write_text(json.dumps({"step": step}) + "\n")
+        tmp.write_text(json.dumps({**(extra or {}), "step": step}) + "\n")
         os.replace(tmp, record)
     except OSError as exc:
         log.warning("worker %d: step %d is committed, but its record %s could not be written (%s)",

@@ -59,6 +59,7 @@ def round_batch(data: Dataset, epoch: int, processed: int, rank: int, size: int,
 def new_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bps.elastic.TorchState:
     """What a commit saves: the model, the optimizer (with its residuals and step count), the
     step and how far the epoch got; whether the job's start looked for checkpoints on disk
-    (``surveyed``), the steps committed there (``saved``), and the step it ends at (``end``)."""
+    (``surveyed``), the steps committed there with their digests (``saved``), and the step
+    it ends at (``end``)."""
     return bps.elastic.TorchState(model, opt, step=0, epoch=0, processed=0, surveyed=False,
-                                  saved=[], end=0)
+                                  saved={}, end=0)

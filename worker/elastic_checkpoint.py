@@ -9,16 +9,22 @@ its rank then, and step N is committed only once every worker wrote it. Each wor
 every rank's older files in its folder, since ranks change with the membership.
 
 On start the workers gather what each folder holds (shared, or one per host) and resume from
-the newest step that was committed (a commit record names it, or copies from every rank of
-that save are there) and that some worker holds intact. Its lowest-ranked holder loads it
-and hands it to the others. The error-feedback residuals start at zero, as a joiner's do:
-they were each worker's own, and the workers are not the same ones. Copies of one step
-that hold different parameters come from different runs, and are refused.
+the newest committed step that some worker holds intact. A copy is committed when a commit
+record names its step *and its parameters' digest* (each record keeps the digests of the
+committed generations), or, where no record names its step at all, when every rank of its
+save left a copy with those parameters.
+The digest matters: a save cut short by a re-form leaves copies of step N that the job then
+rolled back and took again with other workers, and such a copy (or one from a host that
+missed a run) is of step N but not of the job's step N. Its lowest-ranked holder loads the
+chosen copy and hands it to the others, who check the parameters against the digest. The
+error-feedback residuals start at zero, as a joiner's do: they were each worker's own, and
+the workers are not the same ones. Two committed copies of one step with different
+parameters come from different runs, and are refused.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
 from pathlib import Path
 
 import torch
@@ -52,14 +58,31 @@ class Holdings:
     folder: str  # "" without --checkpoint-dir
     copies: tuple[Copy, ...] = ()
     faults: tuple[tuple[str, str, str], ...] = ()  # (file, "damaged" or "foreign", why)
-    committed: int | None = None  # the newest step a commit record in the folder names
+    committed: tuple[tuple[int, str], ...] = ()  # (step, digest) that commit records name
 
 
-def meta(state: bps.elastic.TorchState, model: nn.Module) -> dict:
-    """What an elastic copy's header holds beside the job: where the epoch got, and a digest
-    of the parameters (copies of one step must agree)."""
-    return {"elastic": {"epoch": state.epoch, "processed": state.processed,
-                        "digest": checkpoint.parameters_digest(model)}}
+def meta(state: bps.elastic.TorchState, digest: str) -> dict:
+    """What an elastic copy's header holds beside the job: where the epoch got, and the
+    digest of the parameters (a commit record names it)."""
+    return {"elastic": {"epoch": state.epoch, "processed": state.processed, "digest": digest}}
+
+
+def record(saved: dict[int, str], step: int, digest: str, keep: int) -> dict:
+    """What a commit record of ``step`` holds: the digest of every generation kept after it."""
+    kept = {**saved, step: digest}
+    return {"kept": {str(s): kept[s] for s in sorted(kept)[-keep:]}}
+
+
+def _records(folder: Path) -> tuple[tuple[int, str], ...]:
+    """(step, digest) of every commit a record in ``folder`` names (a damaged record names none)."""
+    named = set()
+    for path in folder.glob("worker*.commit"):
+        try:
+            kept = json.loads(path.read_text()).get("kept", {})
+            named |= {(int(step), digest) for step, digest in kept.items() if isinstance(digest, str)}
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue
+    return tuple(sorted(named))
 
 
 def survey(directory: str | None, rank: int, job: dict) -> Holdings:
@@ -88,67 +111,71 @@ def survey(directory: str | None, rank: int, job: dict) -> Holdings:
         else:
             copies.append(Copy(str(path), step, saved_by, head["workers"], str(extra.get("digest")),
                                int(extra.get("epoch", 0)), int(extra.get("processed", 0))))
-    records = [checkpoint.recorded(folder, int(p.name[6:-7])) for p in folder.glob("worker*.commit")
-               if p.name[6:-7].isdigit()]
-    newest = max((r for r in records if r is not None), default=None)
-    return Holdings(rank, str(folder), tuple(copies), tuple(faults), newest)
+    return Holdings(rank, str(folder), tuple(copies), tuple(faults), _records(folder))
 
 
-def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str], list[int]]:
+def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str], dict[int, str]]:
     """The copy to resume from (None: start fresh), notes on what was passed over, and the
-    committed steps some worker holds; or :class:`CheckpointError`. A function of the
-    gathered holdings alone, so every worker decides alike."""
+    committed steps some worker holds, with their digests; or :class:`CheckpointError`. A
+    function of the gathered holdings alone, so every worker decides alike."""
     if len({bool(h.folder) for h in holdings}) > 1:
         raise CheckpointError(REFUSED + "--checkpoint-dir is given to some workers only: " + "; ".join(
             f"worker {h.rank} has {h.folder or 'none'}" for h in holdings)
             + "; give it to every worker or to none")
-    problems = [f"worker {h.rank}: {file} is foreign: {why}"
-                for h in holdings for file, state, why in h.faults if state == "foreign"]
+    problems = list(dict.fromkeys(f"{file} is foreign: {why}" for h in holdings
+                                  for file, state, why in h.faults if state == "foreign"))
     if problems:
         raise CheckpointError(REFUSED + "\n  ".join(problems))
-    by_step: dict[int, dict[str, Copy]] = {}
+    # copies by (step, digest); in a shared folder each file once
+    groups: dict[tuple[int, str], dict[str, Copy]] = {}
     for h in holdings:
         for c in h.copies:
-            by_step.setdefault(c.step, {})[c.path] = c  # a shared folder: each file once
-    record = max((h.committed for h in holdings if h.committed is not None), default=None)
+            groups.setdefault((c.step, c.digest), {})[c.path] = c
+    records = {named for h in holdings for named in h.committed}
+    recorded_steps = {step for step, _ in records}
 
-    def committed(step: int) -> bool:
-        copies = by_step[step].values()
-        return (record is not None and step <= record) or \
-            {c.saved_by for c in copies} >= set(range(max(c.workers for c in copies)))
+    def committed(group: tuple[int, str]) -> bool:
+        """Named by a record; or, where no record names its step (none could be written),
+        saved by every rank of its save alike."""
+        copies = groups[group].values()
+        return group in records or (group[0] not in recorded_steps and {
+            c.saved_by for c in copies} >= set(range(max(c.workers for c in copies))))
 
-    steps = sorted((s for s in by_step if committed(s)), reverse=True)
+    good = sorted((g for g in groups if committed(g)), reverse=True)
     damaged = list(dict.fromkeys(f"{file} is damaged ({why})" for h in holdings  # a shared
-                                 for file, _, why in h.faults))  # folder: each file once
-    notes = [f"step {s} was never committed (not every worker saved it): passed over"
-             for s in sorted(by_step) if not committed(s)] + damaged
-    if not steps:
-        if record is None and not damaged:
-            return None, notes, []
+                                 for file, state, why in h.faults if state == "damaged"))  # folder
+    notes = [f"{c.path} (step {c.step}) was never committed: passed over"
+             for g in sorted(groups) if not committed(g) for c in groups[g].values()] + damaged
+    if not good:
+        if not records and not damaged:
+            return None, notes, {}
+        newest = max(records, default=None)
         raise CheckpointError(REFUSED + "\n  ".join(
-            damaged + [f"no intact copy of a committed step is left"
-                       + (f" (step {record} was committed)" if record is not None else "")
+            damaged + ["no intact copy of a committed step is left"
+                       + (f" (step {newest[0]} was committed)" if newest else "")
                        + "; restore the files, or remove every worker*-step*.pt and "
                          "worker*.commit file to start over"]))
-    step = steps[0]
-    copies = sorted(by_step[step].values(), key=lambda c: c.path)
-    if len({c.digest for c in copies}) > 1:
-        raise CheckpointError(f"{REFUSED}the copies of step {step} hold different parameters, so "
-                              "they come from different runs: " + "; ".join(
-                                  f"{c.path} {c.digest}" for c in copies))
+    step = good[0][0]
+    rivals = [g for g in good if g[0] == step]
+    if len(rivals) > 1:
+        raise CheckpointError(f"{REFUSED}the committed copies of step {step} hold different "
+                              "parameters, so they come from different runs: " + "; ".join(
+                                  f"{c.path} {c.digest}" for g in rivals for c in groups[g].values()))
+    chosen = sorted(groups[good[0]].values(), key=lambda c: c.path)[0]
     if step >= total:
-        raise CheckpointError(f"{REFUSED}{copies[0].path} is too late: at step {step}, at or beyond "
+        raise CheckpointError(f"{REFUSED}{chosen.path} is too late: at step {step}, at or beyond "
                               f"the job's {total} steps: nothing left to train (raise --steps, or "
                               "remove the checkpoints to start over)")
-    if record is not None and record > step:
-        notes.append(f"step {record} was committed, but no intact copy of it is left")
-    return copies[0], notes, sorted(steps)
+    lost = max((s for s, _ in records), default=step)
+    if lost > step:
+        notes.append(f"step {lost} was committed, but no intact copy of it is left")
+    return chosen, notes, {s: d for s, d in sorted(good)}
 
 
 def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Module,
-            opt: torch.optim.Optimizer, cfg: dict, total: int) -> list[int]:
+            opt: torch.optim.Optimizer, cfg: dict, total: int) -> dict[int, str]:
     """Resume every worker from the newest committed copy any of them holds, or start fresh:
-    the committed steps (for :class:`checkpoint.Checkpoints`). Every worker calls it, before
+    the committed steps and their digests (for the commits to come). Every worker calls it, before
     the first step, inside ``elastic.run`` (a re-form in it starts it again).
 
     Example::
@@ -160,7 +187,8 @@ def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Modu
                                     name="checkpoint.findings")
     chosen, notes, committed = decide(holdings, total)
     if chosen is not None:
-        holder = min(h.rank for h in holdings if any(c.path == chosen.path for c in h.copies))
+        holder = min(h.rank for h in holdings if any((c.path, c.digest) == (chosen.path, chosen.digest)
+                                                     for c in h.copies))
         failure = None
         if rank == holder:
             with bps.elastic.own_residuals(opt):
@@ -177,7 +205,7 @@ def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Modu
                                   f"header's digest {chosen.digest}")
     mine = next(h for h in holdings if h.rank == rank)
     for c in mine.copies:
-        if c.step not in committed and os.path.exists(c.path):
+        if committed.get(c.step) != c.digest:
             checkpoint.remove(Path(c.path), "never committed")
     if rank == 0 and (chosen is not None or notes):
         print((f"resuming from step {chosen.step} ({chosen.path}), the newest committed step, "

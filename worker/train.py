@@ -214,10 +214,13 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
                 record["accuracy"], record["test_loss"] = evaluate(model, data)
                 log[0].append(record)
             if checkpoints and (state.step % cfg["checkpoint_every"] == 0 or last):
-                checkpoints.committed = list(state.saved)  # the job's, a joiner's too
+                digest = checkpoint.parameters_digest(model)
+                checkpoints.committed = sorted(state.saved)  # the job's, a joiner's too
                 checkpoints.commit(model, opt, step=state.step, job=checkpoint.job_identity(cfg),
-                                   meta=elastic_checkpoint.meta(state, model))
-                state.saved = list(checkpoints.committed)
+                                   meta=elastic_checkpoint.meta(state, digest),
+                                   record=elastic_checkpoint.record(state.saved, state.step, digest,
+                                                                    checkpoints.keep))
+                state.saved = {s: {**state.saved, state.step: digest}[s] for s in checkpoints.committed}
                 state.commit()
             elif state.step % every == 0 or last:
                 state.commit()

@@ -1,5 +1,5 @@
-"""Pushes ordered by need behind a credit window (ByteScheduler's idea, byteps'
-``BYTEPS_SCHEDULING_CREDIT``): an urgent push overtakes a queue of large ones.
+"""Pushes ordered by need behind a credit window (ByteScheduler's idea; ``PS_CREDIT_BYTES``):
+an urgent push overtakes a queue of large ones.
 
 Without a window, every push goes to its server's connection as soon as its payload is
 ready, and once there it cannot be overtaken: the first layer's gradient, which the

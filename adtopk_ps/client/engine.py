@@ -9,8 +9,7 @@ sends each key as soon as its payload is ready (many keys in flight on one
 DEALER per server), and writes each answer into the handle's output as it
 arrives.
 
-With ``BYTEPS_SCHEDULING_CREDIT`` (in partitions of ``BYTEPS_PARTITION_BYTES``) the
-pushes to each server pass a credit window (credit.py): at most that many bytes the
+With ``PS_CREDIT_BYTES`` the pushes to each server pass a credit window (credit.py): at most that many bytes the
 server has not yet acknowledged receiving are on their way, and the rest wait in
 priority order, so an urgent push overtakes. Credit returns on receipt, never on the
 round's answer: under BSP a round completes only when every worker has pushed it, so
@@ -61,10 +60,11 @@ def shorten_gil_switch(environ: Mapping[str, str] | None = None) -> None:
         sys.setswitchinterval(micros / 1e6)
 
 
-def credit_window(partition_bytes: int, environ: Mapping[str, str] | None = None) -> int:
-    """The credit window in bytes: ``BYTEPS_SCHEDULING_CREDIT`` partitions (0, the default:
-    none, every push leaves at once)."""
-    return env_int("BYTEPS_SCHEDULING_CREDIT", 0, minimum=0, environ=environ) * partition_bytes
+def credit_window(environ: Mapping[str, str] | None = None) -> int:
+    """The credit window in bytes, ``PS_CREDIT_BYTES`` (0, the default: none, every push
+    leaves at once). In bytes, as ByteScheduler's ``BYTESCHEDULER_CREDIT``: compressed
+    pushes are far smaller than byteps' partitions, its ``BYTEPS_SCHEDULING_CREDIT`` unit."""
+    return env_int("PS_CREDIT_BYTES", 0, minimum=0, environ=environ)
 
 
 class PushPullError(RuntimeError):
@@ -145,8 +145,8 @@ class Engine:
         # by key, oldest round first; the engine thread's own. A key has two rounds in flight
         # when a join() stand-in's answer is still on its way as this worker pushes the next
         self._inflight: dict[int, deque[_Part]] = {}
-        # pushes waiting for credit (none without BYTEPS_SCHEDULING_CREDIT); the engine thread's
-        self.outbox = Outbox(credit_window(config.partition_bytes))
+        # pushes waiting for credit (none without PS_CREDIT_BYTES); the engine thread's
+        self.outbox = Outbox(credit_window())
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on

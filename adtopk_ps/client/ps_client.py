@@ -100,6 +100,24 @@ class PSClient:
         """Seconds the engine has spent compressing."""
         return self._engine.compress_seconds
 
+    @property
+    def credit(self) -> int:
+        """The credit window in bytes (0: none; ``PS_CREDIT_BYTES``): pushes beyond it wait
+        in need order (credit.py). Set it between steps, with nothing in flight, to order
+        the pushes by need or to stop doing so.
+
+        Example::
+
+            client.credit = 256 << 10
+        """
+        return self._engine.outbox.window
+
+    @credit.setter
+    def credit(self, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"credit must be an integer number of bytes >= 0, got {window!r}")
+        self._engine.outbox.window = window
+
     def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
                   average: bool = True, priority: int | None = None,
                   ratio: float | None = None, step: int | None = None,
