@@ -135,3 +135,57 @@ def test_cost_model_routes_are_timed_against_every_tensor_dense_in_a_real_job():
     fastest = min(medians, key=medians.get)
     assert len(medians) == 4 and decided["0"][1] == f"({fastest[0]}, {fastest[1]})"
     assert modes[7] == (fastest[0], 16 if fastest[1] else routed)
+
+
+def test_in_blocks_each_turn_times_only_its_steps_after_the_first():
+    """Crossing the barrier, a step waits for the answers of the step before: a turn of two
+    steps times only the second, which pays for its own mode alone. Here each step costs
+    its own mode's time plus a carry-over from the mode before it."""
+    own = {"ordered": 0.010, "as they come": 0.014}
+    carry = {"ordered": 0.000, "as they come": 0.008}  # what a step leaves to the next
+    now = [0.0]
+    trial = Trial(list(own), steps=3, warmup=1, clock=lambda: now[0], block=2)
+    ran = [trial.mode]
+    while trial.choice is None:
+        previous = ran[-2] if len(ran) > 1 else ran[-1]
+        now[0] += own[ran[-1]] + carry[previous]
+        ran.append(trial.next_mode())
+    # turns of two steps, alternating, after the first step and one to settle in
+    assert ran[:2] == ["ordered", "ordered"]
+    assert ran[2:14] == ["as they come"] * 2 + ["ordered"] * 2 + ["as they come"] * 2 + \
+        ["ordered"] * 2 + ["as they come"] * 2 + ["ordered"] * 2
+    assert trial.times == {"ordered": pytest.approx([0.010] * 3),
+                           "as they come": pytest.approx([0.022] * 3)}
+    assert trial.length == len(ran) - 1 == 14 and trial.choice == "ordered"
+
+
+def test_crossing_the_barrier_times_ordering_by_need_and_keeps_one(session, monkeypatch):
+    from adtopk_ps.torch.cross_barrier import CrossBarrier
+    from adtopk_ps.torch.gradient_sync import AUTO_CREDIT
+    monkeypatch.setenv("PS_OVERLAP_TRIAL_STEPS", "2")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(), torch.nn.Linear(300, 3))
+    cb = CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1), compression="adtopk")
+    credits = []
+    for _ in range(16):
+        model(torch.randn(4, 40)).sum().backward()
+        cb.step()
+        credits.append(bps.client().credit)
+        cb.zero_grad()
+    cb.synchronize()
+    trial = cb.gradient_sync.trial
+    assert {m.credit for m in trial.modes} == {0, AUTO_CREDIT} and trial.block == 2
+    assert trial.length == 11 and trial.choice is not None
+    assert {0, AUTO_CREDIT} <= set(credits[:11])  # both were run
+    assert set(credits[11:]) == {trial.choice.credit}  # then one stayed
+    bps.client().credit = 0
+
+
+def test_a_bad_credit_is_refused(session):
+    model = torch.nn.Linear(3, 3)
+    from adtopk_ps.torch.gradient_sync import GradientSync, GradientCompression, NonFiniteGuard
+    with pytest.raises(ValueError, match="credit must be bytes >= 0, 'auto' or None, got -1"):
+        GradientSync(model.named_parameters(), GradientCompression.of("adtopk"),
+                     NonFiniteGuard("stop"), credit=-1)
+    with pytest.raises(ValueError, match="credit must be an integer number of bytes >= 0"):
+        bps.client().credit = "lots"

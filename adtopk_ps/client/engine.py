@@ -147,6 +147,7 @@ class Engine:
         self._inflight: dict[int, deque[_Part]] = {}
         # pushes waiting for credit (none without PS_CREDIT_BYTES); the engine thread's
         self.outbox = Outbox(credit_window())
+        self._credit: int | None = None  # a window set by set_credit, for the engine thread
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
@@ -187,6 +188,19 @@ class Engine:
             heapq.heappush(self._jobs, job)
         if wake:
             self._poke()
+
+    def set_credit(self, window: int) -> None:
+        """Change the credit window (credit.py) to ``window`` bytes, on the engine thread:
+        what it holds beyond a smaller window leaves as receipts come (at once, for none)."""
+        with self.lock:
+            self._credit = window
+        self._poke()
+
+    @property
+    def credit(self) -> int:
+        """The credit window in bytes, or the one :meth:`set_credit` asked for."""
+        with self.lock:
+            return self.outbox.window if self._credit is None else self._credit
 
     def new_request(self) -> int:
         """A request id for :meth:`negotiate`, to be known before the answer can come."""
@@ -319,6 +333,10 @@ class Engine:
                 poller, which = listen()
             with self.lock:
                 commands, self._commands = self._commands, []
+                if self._credit is not None:
+                    self.outbox.window, self._credit = self._credit, None
+            if not self.outbox.window:  # no window (now): nothing waits for credit
+                self.outbox.send_all(self._send_to)
             # every push queued before a request or finish was queued goes out before it
             self._launch(servers)
             if commands:

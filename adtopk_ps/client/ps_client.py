@@ -103,20 +103,20 @@ class PSClient:
     @property
     def credit(self) -> int:
         """The credit window in bytes (0: none; ``PS_CREDIT_BYTES``): pushes beyond it wait
-        in need order (credit.py). Set it between steps, with nothing in flight, to order
-        the pushes by need or to stop doing so.
+        in need order (credit.py). Set between steps, it orders the coming pushes by need, or
+        stops doing so.
 
         Example::
 
             client.credit = 256 << 10
         """
-        return self._engine.outbox.window
+        return self._engine.credit
 
     @credit.setter
     def credit(self, window: int) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"credit must be an integer number of bytes >= 0, got {window!r}")
-        self._engine.outbox.window = window
+        self._engine.set_credit(window)
 
     def push_pull(self, tensor: torch.Tensor, name: str, compressor: Compressor | None = None,
                   average: bool = True, priority: int | None = None,
@@ -330,7 +330,7 @@ class PSClient:
         one, the later declared first (the backward pass produces those first)."""
         if priority is not None:
             return priority
-        return self._order[name] if self._engine.outbox.window else -self._order[name]
+        return self._order[name] if self._engine.credit else -self._order[name]
 
 
 def _check_pushable(name: str, tensor: object) -> None:

@@ -25,6 +25,7 @@ import torch
 from adtopk_ps.torch import *  # noqa: F401,F403 - byteps' cross_barrier offers the whole API too
 from adtopk_ps.torch import __all__ as _api
 from adtopk_ps.torch.compressors import Compression
+from adtopk_ps.client.engine import credit_window
 from adtopk_ps.torch.gradient_sync import for_wrapper
 
 # updated one parameter at a time: optimizers whose step treats each parameter on its own
@@ -69,9 +70,11 @@ class _CrossBarrier(torch.optim.Optimizer):
         self._steps = 0
         # before the gradient sync's hooks, so that they run first (see _stale)
         self._hooks = [p.register_post_accumulate_grad_hook(self._stale) for _, p in named]
+        # crossing the barrier is overlapping; the step trial times pushes ordered by need
+        # against none, unless PS_CREDIT_BYTES says which
         self.gradient_sync = for_wrapper("crossbarrier", named, compression,
-                                         backward_passes_per_step, overlap=True)
-        self.gradient_sync.set_overlap(True)  # no overlap trial: crossing the barrier is overlapping
+                                         backward_passes_per_step, overlap=True,
+                                         credit=None if credit_window() else "auto", crossing=True)
         self.gradient_sync.abandoned(self._pending.clear)  # (elastic) their answers will not come
         for module in model.modules():
             params = list(module.parameters(recurse=False))

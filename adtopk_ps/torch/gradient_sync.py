@@ -27,7 +27,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from adtopk_ps.client.engine import MembershipChanged
+from adtopk_ps.client.engine import MembershipChanged, credit_window
 from adtopk_ps.compression import Route, compression_speed
 from adtopk_ps.torch import fusion
 from adtopk_ps.torch.agreement import agree, describe
@@ -41,6 +41,8 @@ from adtopk_ps.torch.runtime import client
 from adtopk_ps.torch.trial import Trial
 
 T = TypeVar("T")
+#: the credit window a step trial times ordering by need with, without ``PS_CREDIT_BYTES``
+AUTO_CREDIT = 256 << 10
 PROBE_BYTES = 8 << 20  # the dense round trip timed for the cost model
 _wrappers = itertools.count()
 # every GradientSync of this process by the order they were made (every worker makes them in
@@ -84,7 +86,8 @@ def reform_all() -> None:
 
 
 def for_wrapper(kind: str, named: list[tuple[str, torch.Tensor]], compression: object,
-                backward_passes_per_step: int = 1, overlap: bool | str = "auto") -> GradientSync:
+                backward_passes_per_step: int = 1, overlap: bool | str = "auto",
+                credit: int | str | None = None, crossing: bool = False) -> GradientSync:
     """The GradientSync of a wrapper whose user updates the parameters elsewhere (byteps'
     DDP, CrossBarrier): under ``nonfinite="stop"``, with server keys that start with
     ``kind`` and how many wrappers this process made before (every worker makes them in one
@@ -98,7 +101,7 @@ def for_wrapper(kind: str, named: list[tuple[str, torch.Tensor]], compression: o
         raise ValueError(f"{kind}: the model has no parameters that require gradients")
     return GradientSync(named, GradientCompression.of(compression), NonFiniteGuard("stop"),
                         backward_passes_per_step=backward_passes_per_step, overlap=overlap,
-                        key_prefix=f"{kind}{next(_wrappers)}.")
+                        key_prefix=f"{kind}{next(_wrappers)}.", credit=credit, crossing=crossing)
 
 
 class _Once:
@@ -133,7 +136,11 @@ class GradientSync:
     both (``"auto"``, :mod:`.trial`). ``fusion_bytes`` caps the buckets that
     small dense gradients share. ``summed``: :meth:`wait_all` leaves the
     workers' sum in ``p.grad`` instead of their average (horovod's ``op=Sum``);
-    the workers must agree on it.
+    the workers must agree on it. ``credit``: the process's credit window in bytes
+    (client/credit.py; None leaves it as it is), or ``"auto"`` to time pushes ordered by
+    need behind ``PS_CREDIT_BYTES`` (or :data:`AUTO_CREDIT`) against none. ``crossing``:
+    a step's answers are waited for in the next step (CrossBarrier), so a step trial runs
+    each mode two steps at a time and times the second.
 
     Example::
 
@@ -147,13 +154,19 @@ class GradientSync:
     def __init__(self, named: list[tuple[str, torch.Tensor]], compression: GradientCompression,
                  guard: NonFiniteGuard, *, backward_passes_per_step: int = 1,
                  overlap: bool | str = "auto", fusion_bytes: int | None = None,
-                 summed: bool = False, key_prefix: str = ""):
+                 summed: bool = False, key_prefix: str = "", credit: int | str | None = None,
+                 crossing: bool = False):
         if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                 or backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be an integer >= 1, got "
                              f"{backward_passes_per_step!r}")
         if overlap not in (True, False, "auto"):
             raise ValueError(f"overlap must be True, False or 'auto', got {overlap!r}")
+        if credit not in (None, "auto") and (isinstance(credit, bool) or not isinstance(credit, int)
+                                             or credit < 0):
+            raise ValueError(f"credit must be bytes >= 0, 'auto' or None, got {credit!r}")
+        self._credits = [0, credit_window() or AUTO_CREDIT] if credit == "auto" else [credit]
+        self._block = 2 if crossing else 1
         named = list(named)
         seen: set[str] = set()
         twice = sorted({n for n, _ in named if n in seen or seen.add(n)})
@@ -378,6 +391,7 @@ class GradientSync:
                 answers[id(p)] = once(name, self._handles.pop(id(p)))
         self._passes.clear()
         self._steps += 1
+        self._next_mode()
         return answers
 
     def finish_step(self, update: Callable[[], T]) -> T | None:
@@ -390,13 +404,24 @@ class GradientSync:
             result = None
         else:
             result = update()
+        self._next_mode()
+        return result
+
+    def _next_mode(self) -> None:
+        """A step ended: a step trial moves on to its next mode."""
         if self._trial is not None:
             mode = self._trial.next_mode()
             if mode.plan is not self._plan:
                 self._use_plan(mode.plan)
             if mode.overlap != self._overlap:
                 self._hook_up(mode.overlap)
-        return result
+            self._use_credit(mode.credit)
+
+    @staticmethod
+    def _use_credit(window: int | None) -> None:
+        """The process's credit window (one per process: the last to set it wins)."""
+        if window is not None and client().credit != window:
+            client().credit = window
 
     def abandoned(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` when this step's pushes are abandoned (:meth:`abandon`): a wrapper
@@ -501,9 +526,14 @@ class GradientSync:
         self.compression.plan(self._named)
         self._lay_out_plans()
         overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
-        modes = [Mode(o, plan) for plan in self._plans for o in overlaps]
-        self._trial = Trial(modes, agree=_agree_figures, describe=str) if len(modes) > 1 else None
+        # crossing the barrier, the answers of a step are read after the next has begun: its
+        # trial keeps the first plan (its layout stays) and times the credits alone
+        plans = self._plans[:1] if self._block > 1 else self._plans
+        modes = [Mode(o, plan, c) for plan in plans for o in overlaps for c in self._credits]
+        self._trial = Trial(modes, agree=_agree_figures, describe=str, block=self._block) \
+            if len(modes) > 1 else None
         self._hook_up(modes[0].overlap)
+        self._use_credit(modes[0].credit)
 
     def _follow_requires_grad(self) -> None:
         """Parameters whose ``requires_grad`` changed since the plans were laid out (a

@@ -4,7 +4,8 @@ A :class:`Plan` is a route for every tensor (the cost model's, or every
 tensor dense to time it against) together with its :class:`Layout`: the
 fused buckets and the all-reduce lane those routes imply, laid out once
 before any timed step. A :class:`Mode` is one way of running a step: with
-or without overlap, under one plan (see :mod:`.trial`).
+or without overlap, under one plan, with or without pushes ordered by need (see
+:mod:`.trial`).
 """
 from __future__ import annotations
 
@@ -38,11 +39,15 @@ class Plan:
 
 class Mode(NamedTuple):
     """One way of running a step: gradients pushed during backward (``overlap``) or in
-    ``step()``, routed by ``plan``."""
+    ``step()``, routed by ``plan``, behind a credit window of ``credit`` bytes (0: none;
+    None: the process's window as it is)."""
 
     overlap: bool
     plan: Plan
+    credit: int | None = None
 
     def __str__(self) -> str:
+        ordered = "" if self.credit is None else ", pushes as they come" if not self.credit \
+            else f", ordered by need ({self.credit >> 10} KiB credit)"
         return f"{'overlap' if self.overlap else 'no overlap'}" \
-               f"{', every tensor dense' if self.plan.every_dense else ''}"
+               f"{', every tensor dense' if self.plan.every_dense else ''}{ordered}"

@@ -40,26 +40,31 @@ class Trial:
     """Times whole steps (one ``step()`` to the next) in each of ``modes`` and picks one.
 
     ``agree`` turns this worker's medians into the ones every worker decides
-    from (default: its own)."""
+    from (default: its own). ``block``: each turn runs a mode that many steps in a row
+    and times all but the first (where a step's communication lands in the next step, as
+    crossing the barrier's does, the first step of a turn still pays for the mode before)."""
 
     def __init__(self, modes: Sequence[Hashable], steps: int | None = None, warmup: int = WARMUP,
                  clock: Callable[[], float] = time.perf_counter,
                  agree: Callable[[list[float]], list[float]] = lambda medians: medians,
-                 describe: Callable[[Hashable], str] = str):
+                 describe: Callable[[Hashable], str] = str, block: int = 1):
         self.modes = list(modes)
         self.steps = trial_steps() if steps is None else steps
         self.warmup, self.clock, self.agree, self.describe = warmup, clock, agree, describe
+        self.block = block
         self.times: dict[Hashable, list[float]] = {mode: [] for mode in self.modes}
         self.choice: Hashable | None = None
         self.medians: list[float] = []  # what every worker decided from, in mode order
         self._turn = 0
+        self._at = 0  # the coming step's place in its turn
         self._ended = 0  # steps whose duration is known
         self._last: float | None = None
 
     @property
     def length(self) -> int:
         """Steps the trial runs before every later one goes the chosen way."""
-        return self.warmup + 1 + len(self.modes) * self.steps
+        timed = max(1, self.block - 1)  # per turn
+        return self.warmup + 1 + len(self.modes) * -(-self.steps // timed) * self.block
 
     @property
     def mode(self) -> Hashable:
@@ -73,7 +78,7 @@ class Trial:
         now = self.clock()
         if self._last is not None:
             self._ended += 1
-            if self._ended > self.warmup:
+            if self._ended > self.warmup and self._at >= min(1, self.block - 1):
                 self.times[self.mode].append(now - self._last)
         self._last = now
         if min(len(t) for t in self.times.values()) >= self.steps:
@@ -84,6 +89,10 @@ class Trial:
                                for m, t in zip(self.modes, self.medians)),
                      self.describe(self.choice))
             return self.choice
-        if self._ended >= self.warmup:
-            self._turn = (self._turn + 1) % len(self.modes)
+        if self._ended == self.warmup:  # the turns begin, with the next mode
+            self._turn, self._at = (self._turn + 1) % len(self.modes), 0
+        elif self._ended > self.warmup:
+            self._at += 1
+            if self._at == self.block:
+                self._turn, self._at = (self._turn + 1) % len(self.modes), 0
         return self.mode
