@@ -3,6 +3,7 @@ worker holds intact resumes the job, with however many workers it has now; what 
 resume it is refused on every worker, naming the file."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -166,6 +167,23 @@ def test_the_resumed_step_is_always_the_jobs_newest_committed_one(saves, folders
     assert (chosen.step, chosen.digest) == (newest, kept[newest]) if kept else chosen is None
     assert committed == {s: d for s, d in kept.items() if any(
         (c.step, c.digest) == (s, d) for h in holdings for c in h.copies)}
+
+
+def test_an_unreadable_commit_record_is_damaged_and_nothing_is_taken_for_uncommitted(tmp_path):
+    # per-host folders, one host gone, the records unreadable: the copies of step 40 may well
+    # be committed, so the job neither starts fresh (removing them) nor guesses
+    (tmp_path / "worker0.commit").write_text("{not json")
+    (tmp_path / "worker1.commit").write_text('{"step": 40}')  # no digests
+    (tmp_path / "worker2.commit").write_text('{"step": 40, "kept": {"40": 7}}')
+    found = elastic_checkpoint.survey(str(tmp_path), 0, checkpoint.job_identity(JOB))
+    assert [f[0].rsplit("/", 1)[1] for f in found.faults] == \
+        ["worker0.commit", "worker1.commit", "worker2.commit"]
+    assert all(state == "damaged" and why.startswith("an unreadable commit record")
+               for _, state, why in found.faults)
+    holdings = [dataclasses.replace(found, copies=(_copy(40, 0, workers=3, folder=str(tmp_path)),)),
+                _held(1, _copy(40, 1, workers=3), folder="/other")]
+    with pytest.raises(CheckpointError, match="no intact copy of a committed step is left"):
+        decide(holdings, 100)
 
 
 def _tiny(path: Path, step: int, rank: int, meta: dict | None) -> None:

@@ -73,16 +73,20 @@ def record(saved: dict[int, str], step: int, digest: str, keep: int) -> dict:
     return {"kept": {str(s): kept[s] for s in sorted(kept)[-keep:]}}
 
 
-def _records(folder: Path) -> tuple[tuple[int, str], ...]:
-    """(step, digest) of every commit a record in ``folder`` names (a damaged record names none)."""
-    named = set()
-    for path in folder.glob("worker*.commit"):
+def _records(folder: Path) -> tuple[set[tuple[int, str]], list[tuple[str, str, str]]]:
+    """(step, digest) of every commit a record in ``folder`` names, and the records that
+    cannot be read, as damaged: what they named is unknown, so nothing may be taken for
+    never committed on their account."""
+    named, faults = set(), []
+    for path in sorted(folder.glob("worker*.commit")):
         try:
-            kept = json.loads(path.read_text()).get("kept", {})
-            named |= {(int(step), digest) for step, digest in kept.items() if isinstance(digest, str)}
-        except (OSError, ValueError, AttributeError, TypeError):
-            continue
-    return tuple(sorted(named))
+            kept = json.loads(path.read_text())["kept"]
+            if not all(isinstance(digest, str) for digest in kept.values()):
+                raise ValueError("a digest that is not a string")
+            named |= {(int(step), digest) for step, digest in kept.items()}
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
+            faults.append((str(path), "damaged", f"an unreadable commit record ({exc})"))
+    return named, faults
 
 
 def survey(directory: str | None, rank: int, job: dict) -> Holdings:
@@ -93,7 +97,8 @@ def survey(directory: str | None, rank: int, job: dict) -> Holdings:
     folder = Path(directory).resolve()
     for tmp in [*folder.glob("worker*-step*.pt.tmp"), *folder.glob("worker*.commit.tmp")]:
         checkpoint.remove(tmp, "left by an interrupted save")
-    copies, faults = [], []
+    records, faults = _records(folder)
+    copies = []
     for (saved_by, step), path in sorted(checkpoint.files(folder).items()):
         try:
             head = read_header(path)
@@ -111,7 +116,7 @@ def survey(directory: str | None, rank: int, job: dict) -> Holdings:
         else:
             copies.append(Copy(str(path), step, saved_by, head["workers"], str(extra.get("digest")),
                                int(extra.get("epoch", 0)), int(extra.get("processed", 0))))
-    return Holdings(rank, str(folder), tuple(copies), tuple(faults), _records(folder))
+    return Holdings(rank, str(folder), tuple(copies), tuple(faults), tuple(sorted(records)))
 
 
 def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str], dict[int, str]]:
