@@ -18,6 +18,7 @@ names, as byteps' does: ``import adtopk_ps.torch.cross_barrier as bps``.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable
 
 import torch
@@ -25,7 +26,6 @@ import torch
 from adtopk_ps.torch import *  # noqa: F401,F403 - byteps' cross_barrier offers the whole API too
 from adtopk_ps.torch import __all__ as _api
 from adtopk_ps.torch.compressors import Compression
-from adtopk_ps.client.engine import credit_window
 from adtopk_ps.torch.gradient_sync import for_wrapper
 
 # updated one parameter at a time: optimizers whose step treats each parameter on its own
@@ -74,7 +74,8 @@ class _CrossBarrier(torch.optim.Optimizer):
         # against none, unless PS_CREDIT_BYTES says which
         self.gradient_sync = for_wrapper("crossbarrier", named, compression,
                                          backward_passes_per_step, overlap=True,
-                                         credit=None if credit_window() else "auto", crossing=True)
+                                         credit=None if os.environ.get("PS_CREDIT_BYTES", "").strip()
+                                         else "auto", crossing=True)
         self.gradient_sync.abandoned(self._pending.clear)  # (elastic) their answers will not come
         for module in model.modules():
             params = list(module.parameters(recurse=False))
