@@ -31,8 +31,8 @@ CONFIG = str(ROOT / "configs" / "digits-mlp-elastic.yaml")
 JOB = {"model": "mlp", "optimizer": {"name": "sgd"}}
 
 
-def _copy(step, saved_by, workers=2, digest="d", folder="/ckpt"):
-    return Copy(f"{folder}/worker{saved_by}-step{step:08d}.pt", step, saved_by, workers, digest, 0, 0)
+def _copy(step, saved_by, digest="d", folder="/ckpt"):
+    return Copy(f"{folder}/worker{saved_by}-step{step:08d}.pt", step, saved_by, digest, 0, 0)
 
 
 def _held(rank, *copies, committed=(), faults=(), folder="/ckpt"):
@@ -40,73 +40,86 @@ def _held(rank, *copies, committed=(), faults=(), folder="/ckpt"):
 
 
 def test_the_newest_committed_step_is_resumed_from_any_copy_of_it():
-    # a shared folder: every worker sees every copy; the records name steps 20 and 30
+    # a shared folder: every worker sees every copy; run 1's records name steps 20 and 30
     shared = [_copy(20, 0), _copy(20, 1), _copy(30, 0), _copy(30, 1)]
-    records = [(20, "d"), (30, "d")]
+    records = [(20, "d", 1), (30, "d", 1)]
     chosen, notes, committed = decide([_held(0, *shared, committed=records), _held(1, *shared)], 100)
     assert (chosen, notes, committed) == (_copy(30, 0), [], {20: "d", 30: "d"})
     # one folder per host, the host of worker 0 gone: worker 1's copy of step 30 is enough
-    chosen, _, _ = decide([_held(0, committed=[(20, "d")], folder="/a"),
+    chosen, _, _ = decide([_held(0, committed=[(20, "d", 1)], folder="/a"),
                            _held(1, _copy(20, 1), _copy(30, 1), committed=records, folder="/b")], 100)
     assert chosen == _copy(30, 1)
 
 
-def test_a_step_not_every_worker_saved_was_never_committed_and_is_passed_over():
+def test_a_copy_no_record_names_was_never_committed_and_is_passed_over():
     # step 40: only worker 0 wrote it before the job ended; no record names it
-    chosen, notes, committed = decide([_held(0, _copy(30, 0), _copy(40, 0), committed=[(30, "d")]),
-                                       _held(1, _copy(30, 1), committed=[(30, "d")])], 100)
+    chosen, notes, committed = decide([_held(0, _copy(30, 0), _copy(40, 0), committed=[(30, "d", 1)]),
+                                       _held(1, _copy(30, 1), committed=[(30, "d", 1)])], 100)
     assert chosen.step == 30 and committed == {30: "d"}
     assert notes == ["/ckpt/worker0-step00000040.pt (step 40) was never committed: passed over"]
-    # every rank of that save holds a copy alike: committed, though no record reached the disk
-    chosen, _, _ = decide([_held(0, _copy(40, 0, workers=3)), _held(1, _copy(40, 1, workers=3)),
-                           _held(2, _copy(40, 2, workers=3))], 100)
-    assert chosen.step == 40
+    # no record at all (a first save cut short): a fresh start, saying why
     assert decide([_held(0, _copy(4, 0)), _held(1)], 100) == \
-        (None, ["/ckpt/worker0-step00000004.pt (step 4) was never committed: passed over"], {})
+        (None, ["/ckpt/worker0-step00000004.pt (step 4): no commit record names it"], {})
     assert decide([_held(0, folder=""), _held(1, folder="")], 100) == (None, [], {})
 
 
 def test_a_copy_of_a_step_the_job_took_again_is_not_the_jobs_step():
     """A save cut short by a kill: worker 2 wrote step 20 (parameters X), the others rolled
     back and took step 20 again with two workers (Y), committing it; the record names Y."""
-    stale = _copy(20, 2, workers=3, digest="X")
+    stale = _copy(20, 2, digest="X")
     again = [_copy(20, 0, digest="Y"), _copy(20, 1, digest="Y")]
-    records = [(10, "W"), (20, "Y")]
+    records = [(10, "W", 1), (20, "Y", 1)]
     chosen, notes, committed = decide([_held(0, *again, stale, committed=records),
                                        _held(1, *again, stale, committed=records)], 100)
     assert chosen.digest == "Y" and committed == {20: "Y"}
     assert notes == ["/ckpt/worker2-step00000020.pt (step 20) was never committed: passed over"]
-    # per-host folders, the stale copy's host back after missing a run (its record says 30)
-    chosen, _, _ = decide([_held(0, _copy(40, 0, 3, "B"), committed=[(40, "B")], folder="/w0"),
-                           _held(1, _copy(40, 1, 3, "B"), committed=[(40, "B")], folder="/w1"),
-                           _held(2, _copy(40, 2, 3, "A"), _copy(30, 2, 3, "C"),
-                                 committed=[(30, "C")], folder="/w2")], 100)
-    assert chosen.digest == "B"
-    # the committed copies damaged: back to step 30, never to the stale copy of 40
+    # the records lost where the retake's copies are: back to what a record still names,
+    # never to the rolled-back copies, however many ranks left them
+    chosen, _, _ = decide([_held(0, _copy(10, 0, "W"), _copy(20, 0, "X"), committed=records[:1],
+                                 folder="/w0"),
+                           _held(1, _copy(20, 1, "X"), _copy(20, 0, "Y"), folder="/w1"),
+                           _held(2, _copy(20, 2, "X"), _copy(20, 1, "Y"), folder="/w2")], 100)
+    assert (chosen.step, chosen.digest) == (10, "W")
+
+
+def test_a_host_that_missed_a_run_is_outranked_by_the_newer_run():
+    # run 1 committed 30 and 40 (A) on three hosts; run 2 ran without host 2, resumed from
+    # 30 and committed 40 (B) and 45; host 2 is back with run 1's records and copies
+    newer = [(30, "C", 2), (40, "B", 2), (45, "E", 2)]
+    holdings = [_held(0, _copy(40, 0, "B", "/w0"), _copy(45, 0, "E", "/w0"), committed=newer,
+                      folder="/w0"),
+                _held(1, _copy(40, 1, "B", "/w1"), _copy(45, 1, "E", "/w1"), committed=newer,
+                      folder="/w1"),
+                _held(2, _copy(40, 2, "A", "/w2"), _copy(50, 2, "F", "/w2"),
+                      committed=[(40, "A", 1), (50, "F", 1)], folder="/w2")]
+    chosen, notes, committed = decide(holdings, 100)
+    assert (chosen.step, chosen.digest) == (45, "E") and committed == {40: "B", 45: "E"}
+    assert "/w2/worker2-step00000050.pt (step 50) is of run 1, which run 2 went on from: passed over" \
+        in notes
+    # run 2's copies of 40 damaged and 45 lost: its 40 is gone, so back to run 2's 30 if held
     damaged = [("/w0/worker0-step00000040.pt", "damaged", "truncated")]
-    chosen, notes, _ = decide([_held(0, _copy(30, 0, 3, "C"), faults=damaged, committed=[(40, "B")],
-                                     folder="/w0"),
-                               _held(2, _copy(40, 2, 3, "A"), _copy(30, 2, 3, "C"),
-                                     committed=[(30, "C")], folder="/w2")], 100)
+    chosen, notes, _ = decide([_held(0, _copy(30, 0, "C"), faults=damaged, committed=newer, folder="/w0"),
+                               _held(2, _copy(40, 2, "A"), _copy(30, 2, "C"),
+                                     committed=[(30, "C", 1), (40, "A", 1)], folder="/w2")], 100)
     assert (chosen.step, chosen.digest) == (30, "C")
-    assert notes[-1] == "step 40 was committed, but no intact copy of it is left"
+    assert notes[-1] == "step 45 was committed, but no intact copy of it is left"
 
 
 def test_folders_at_one_path_on_every_host_are_told_apart_by_their_parameters():
     # /ckpt on each host: worker 0's holds a stale step 40 (A), worker 1's the committed (B)
-    chosen, _, _ = decide([_held(0, _copy(40, 0, digest="A"), committed=[(30, "C")]),
-                           _held(1, _copy(40, 0, digest="B"), committed=[(40, "B")])], 100)
+    chosen, _, _ = decide([_held(0, _copy(40, 0, digest="A"), committed=[(30, "C", 1)]),
+                           _held(1, _copy(40, 0, digest="B"), committed=[(40, "B", 1)])], 100)
     assert chosen.digest == "B"
 
 
 def test_a_damaged_copy_gives_way_to_an_intact_one_or_to_an_older_step():
     damaged = ("/ckpt/worker0-step00000030.pt", "damaged", "checksum mismatch")
+    records = [(20, "d", 1), (30, "d", 1)]
     # the same damaged file in a shared folder is named once
-    chosen, notes, _ = decide([_held(0, _copy(30, 1), faults=[damaged], committed=[(30, "d")]),
-                               _held(1, _copy(30, 1), faults=[damaged], committed=[(30, "d")])], 100)
+    chosen, notes, _ = decide([_held(0, _copy(30, 1), faults=[damaged], committed=records),
+                               _held(1, _copy(30, 1), faults=[damaged], committed=records)], 100)
     assert chosen == _copy(30, 1)
     assert notes == ["/ckpt/worker0-step00000030.pt is damaged (checksum mismatch)"]
-    records = [(20, "d"), (30, "d")]
     chosen, notes, _ = decide([_held(0, _copy(20, 0), faults=[damaged], committed=records),
                                _held(1, _copy(20, 1), committed=records)], 100)
     assert chosen.step == 20 and notes[-1] == "step 30 was committed, but no intact copy of it is left"
@@ -120,53 +133,71 @@ def test_what_cannot_resume_the_job_is_refused_naming_the_file():
         return str(err.value)
     assert "--checkpoint-dir is given to some workers only: worker 0 has /ckpt; worker 1 has none" \
         in refused([_held(0), _held(1, folder="")])
-    assert "the committed copies of step 30 hold different parameters" in \
-        refused([_held(0, _copy(30, 0, digest="a"), committed=[(30, "a")]),
-                 _held(1, _copy(30, 1, digest="b"), committed=[(30, "b")])])
+    assert "run 1 committed step 30 with different parameters" in \
+        refused([_held(0, _copy(30, 0, digest="a"), committed=[(30, "a", 1)]),
+                 _held(1, _copy(30, 1, digest="b"), committed=[(30, "b", 1)])])
     foreign = ("/ckpt/worker0-step00000010.pt", "foreign", "saved by a job that is not elastic")
     message = refused([_held(0, faults=[foreign]), _held(1, faults=[foreign])])
     assert message.count("/ckpt/worker0-step00000010.pt is foreign: saved by a job that is not "
                          "elastic") == 1  # a shared folder: named once
     assert "no intact copy of a committed step is left (step 30 was committed)" in \
-        refused([_held(0, committed=[(30, "d")]), _held(1)])
+        refused([_held(0, committed=[(30, "d", 1)]), _held(1)])
     assert "at step 30, at or beyond the job's 30 steps" in \
-        refused([_held(0, _copy(30, 0), committed=[(30, "d")])], 30)
+        refused([_held(0, _copy(30, 0), committed=[(30, "d", 1)])], 30)
 
 
 @settings(max_examples=200, deadline=None)
-@given(saves=st.lists(st.tuples(st.integers(1, 4), st.lists(st.booleans(), min_size=4, max_size=4)),
-                      min_size=0, max_size=6),
+@given(runs=st.lists(st.lists(st.tuples(st.integers(1, 4), st.lists(st.booleans(), min_size=4,
+                                                                     max_size=4)),
+                              min_size=0, max_size=4), min_size=1, max_size=3),
        folders=st.sampled_from(["shared", "per host"]))
-def test_the_resumed_step_is_always_the_jobs_newest_committed_one(saves, folders):
-    """A run of saves, each by W workers, some of whom wrote their copy before the save was
-    cut short; the job then took the step again (other parameters, a new save) until one
-    committed. Whatever is left on disk, the decision resumes the newest committed step,
-    with the parameters that were committed."""
+def test_the_resumed_step_is_always_the_newest_runs_newest_commit(runs, folders):
+    """Runs one after the other, each resuming from what the last decision chose; in each,
+    saves by W workers, some of whom wrote their copy before the save was cut short (the
+    job then took the step again: other parameters, a new save). Whatever is left on disk,
+    the decision resumes the newest committed step of the newest run that committed one,
+    with the parameters committed."""
     files: dict[tuple[str, int, int], Copy] = {}  # (folder, rank, step) -> what the file holds
-    kept: dict[int, str] = {}
-    for attempt, (workers, wrote) in enumerate(saves):
-        step = 10 * (len(kept) + 1)
-        digest = f"{step}-{attempt}"
-        for r in range(workers):
-            if wrote[r]:
-                folder = "/ckpt" if folders == "shared" else f"/host{r}"
-                files[folder, r, step] = _copy(step, r, workers, digest, folder)
-        if all(wrote[:workers]):
-            kept[step] = digest
-    records = tuple(kept.items())
+    records: dict[str, tuple] = {}  # folder -> what its records name
+    last_run_kept: dict[int, str] = {}
+    run_no = 0
+    for attempts in runs:
+        holdings = _holdings(files, records, folders)
+        chosen, _, lineage = decide(holdings, 10 ** 6)
+        run_no = 1 + max((r for h in holdings for _, _, r in h.committed), default=0)
+        kept = dict(lineage)
+        step0 = chosen.step if chosen else 0
+        for attempt, (workers, wrote) in enumerate(attempts):
+            step = step0 + 10 * (len(kept) - len(lineage) + 1)
+            digest = f"r{run_no}-{step}-{attempt}"
+            for r in range(workers):
+                if wrote[r]:
+                    folder = "/ckpt" if folders == "shared" else f"/host{r}"
+                    files[folder, r, step] = _copy(step, r, digest, folder)
+            if all(wrote[:workers]):
+                kept[step] = digest
+                for r in range(workers):
+                    folder = "/ckpt" if folders == "shared" else f"/host{r}"
+                    records[folder] = tuple((s, d, run_no) for s, d in kept.items())
+        if len(kept) > len(lineage):
+            last_run_kept = {s: d for s, d in kept.items()}
+    chosen, _, _ = decide(_holdings(files, records, folders), 10 ** 6)
+    if last_run_kept:
+        newest = max(last_run_kept)
+        assert (chosen.step, chosen.digest) == (newest, last_run_kept[newest])
+    else:
+        assert chosen is None
+
+
+def _holdings(files, records, folders):
     by_folder: dict[str, list[Copy]] = {}
     for (folder, _, _), c in files.items():
         by_folder.setdefault(folder, []).append(c)
     if folders == "shared":
-        holdings = [_held(r, *by_folder.get("/ckpt", []), committed=records) for r in range(2)]
-    else:
-        holdings = [_held(r, *by_folder.get(f"/host{r}", []), committed=records, folder=f"/host{r}")
-                    for r in range(4)]
-    chosen, _, committed = decide(holdings, 1000)
-    newest = max(kept, default=None)
-    assert (chosen.step, chosen.digest) == (newest, kept[newest]) if kept else chosen is None
-    assert committed == {s: d for s, d in kept.items() if any(
-        (c.step, c.digest) == (s, d) for h in holdings for c in h.copies)}
+        return [_held(r, *by_folder.get("/ckpt", []), committed=records.get("/ckpt", ()))
+                for r in range(2)]
+    return [_held(r, *by_folder.get(f"/host{r}", []), committed=records.get(f"/host{r}", ()),
+                  folder=f"/host{r}") for r in range(4)]
 
 
 def test_an_unreadable_commit_record_is_damaged_and_nothing_is_taken_for_uncommitted(tmp_path):
@@ -174,14 +205,15 @@ def test_an_unreadable_commit_record_is_damaged_and_nothing_is_taken_for_uncommi
     # be committed, so the job neither starts fresh (removing them) nor guesses
     (tmp_path / "worker0.commit").write_text("{not json")
     (tmp_path / "worker1.commit").write_text('{"step": 40}')  # no digests
-    (tmp_path / "worker2.commit").write_text('{"step": 40, "kept": {"40": 7}}')
+    (tmp_path / "worker2.commit").write_text('{"step": 40, "run": 1, "kept": {"40": 7}}')
+    (tmp_path / "worker3.commit").write_text('{"step": 40, "kept": {"40": "abc"}}')  # no run
     found = elastic_checkpoint.survey(str(tmp_path), 0, checkpoint.job_identity(JOB))
     assert [f[0].rsplit("/", 1)[1] for f in found.faults] == \
-        ["worker0.commit", "worker1.commit", "worker2.commit"]
+        ["worker0.commit", "worker1.commit", "worker2.commit", "worker3.commit"]
     assert all(state == "damaged" and why.startswith("an unreadable commit record")
                for _, state, why in found.faults)
-    holdings = [dataclasses.replace(found, copies=(_copy(40, 0, workers=3, folder=str(tmp_path)),)),
-                _held(1, _copy(40, 1, workers=3), folder="/other")]
+    holdings = [dataclasses.replace(found, copies=(_copy(40, 0, folder=str(tmp_path)),)),
+                _held(1, _copy(40, 1), folder="/other")]
     with pytest.raises(CheckpointError, match="no intact copy of a committed step is left"):
         decide(holdings, 100)
 

@@ -59,7 +59,7 @@ def round_batch(data: Dataset, epoch: int, processed: int, rank: int, size: int,
 def new_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> bps.elastic.TorchState:
     """What a commit saves: the model, the optimizer (with its residuals and step count), the
     step and how far the epoch got; whether the job's start looked for checkpoints on disk
-    (``surveyed``), the steps committed there with their digests (``saved``), and the step
-    it ends at (``end``)."""
+    (``surveyed``), the steps committed there with their digests (``saved``) and this run's
+    number in the commit records (``run``), and the step it ends at (``end``)."""
     return bps.elastic.TorchState(model, opt, step=0, epoch=0, processed=0, surveyed=False,
-                                  saved={}, end=0)
+                                  saved={}, run=0, end=0)

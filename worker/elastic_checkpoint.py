@@ -8,18 +8,20 @@ is checkpoint.py's commit: every worker writes its copy, ``worker{rank}-step{N:0
 its rank then, and step N is committed only once every worker wrote it. Each worker prunes
 every rank's older files in its folder, since ranks change with the membership.
 
-On start the workers gather what each folder holds (shared, or one per host) and resume from
-the newest committed step that some worker holds intact. A copy is committed when a commit
-record names its step *and its parameters' digest* (each record keeps the digests of the
-committed generations), or, where no record names its step at all, when every rank of its
-save left a copy with those parameters.
-The digest matters: a save cut short by a re-form leaves copies of step N that the job then
-rolled back and took again with other workers, and such a copy (or one from a host that
-missed a run) is of step N but not of the job's step N. Its lowest-ranked holder loads the
-chosen copy and hands it to the others, who check the parameters against the digest. The
-error-feedback residuals start at zero, as a joiner's do: they were each worker's own, and
-the workers are not the same ones. Two committed copies of one step with different
-parameters come from different runs, and are refused.
+A commit is what its records say. After every worker wrote its copy of step N, each
+worker writes ``worker{rank}.commit`` in its folder: the job's *run* (one more than the
+newest run any record named when this run started) and the step and parameters' digest of
+every generation it keeps. On start the workers gather what each folder holds (shared, or
+one per host) and resume from the committed copy of the newest run, and within it of the
+newest step, that some worker holds intact. A copy no record names with its digest was
+never committed: a save cut short by a re-form leaves copies of step N that the job then
+rolled back and took again with other workers, and such a copy is of step N but not of
+the job's step N. A host that missed a run keeps records of an older run, which the newer
+run's commits outrank. The lowest-ranked holder loads the chosen copy and hands it to the
+others, who check the parameters against the digest. The error-feedback residuals start
+at zero, as a joiner's do: they were each worker's own, and the workers are not the same
+ones. Two copies of one step that one run committed with different parameters, or a
+record that cannot be read, are refused.
 """
 from __future__ import annotations
 
@@ -44,7 +46,6 @@ class Copy:
     path: str
     step: int
     saved_by: int  # the rank that saved it
-    workers: int  # how many workers the job had then
     digest: str  # of its parameters
     epoch: int
     processed: int
@@ -58,7 +59,7 @@ class Holdings:
     folder: str  # "" without --checkpoint-dir
     copies: tuple[Copy, ...] = ()
     faults: tuple[tuple[str, str, str], ...] = ()  # (file, "damaged" or "foreign", why)
-    committed: tuple[tuple[int, str], ...] = ()  # (step, digest) that commit records name
+    committed: tuple[tuple[int, str, int], ...] = ()  # (step, digest, run) records name
 
 
 def meta(state: bps.elastic.TorchState, digest: str) -> dict:
@@ -67,23 +68,25 @@ def meta(state: bps.elastic.TorchState, digest: str) -> dict:
     return {"elastic": {"epoch": state.epoch, "processed": state.processed, "digest": digest}}
 
 
-def record(saved: dict[int, str], step: int, digest: str, keep: int) -> dict:
-    """What a commit record of ``step`` holds: the digest of every generation kept after it."""
+def record(saved: dict[int, str], step: int, digest: str, keep: int, run: int) -> dict:
+    """What a commit record of ``step`` holds: the run, and the digest of every generation
+    kept after it."""
     kept = {**saved, step: digest}
-    return {"kept": {str(s): kept[s] for s in sorted(kept)[-keep:]}}
+    return {"run": run, "kept": {str(s): kept[s] for s in sorted(kept)[-keep:]}}
 
 
-def _records(folder: Path) -> tuple[set[tuple[int, str]], list[tuple[str, str, str]]]:
-    """(step, digest) of every commit a record in ``folder`` names, and the records that
+def _records(folder: Path) -> tuple[set[tuple[int, str, int]], list[tuple[str, str, str]]]:
+    """(step, digest, run) of every commit a record in ``folder`` names, and the records that
     cannot be read, as damaged: what they named is unknown, so nothing may be taken for
     never committed on their account."""
     named, faults = set(), []
     for path in sorted(folder.glob("worker*.commit")):
         try:
-            kept = json.loads(path.read_text())["kept"]
-            if not all(isinstance(digest, str) for digest in kept.values()):
-                raise ValueError("a digest that is not a string")
-            named |= {(int(step), digest) for step, digest in kept.items()}
+            content = json.loads(path.read_text())
+            kept, run = content["kept"], content["run"]
+            if type(run) is not int or not all(isinstance(digest, str) for digest in kept.values()):
+                raise ValueError("a run that is not an integer, or a digest that is not a string")
+            named |= {(int(step), digest, run) for step, digest in kept.items()}
         except (OSError, ValueError, KeyError, AttributeError, TypeError) as exc:
             faults.append((str(path), "damaged", f"an unreadable commit record ({exc})"))
     return named, faults
@@ -114,7 +117,7 @@ def survey(directory: str | None, rank: int, job: dict) -> Holdings:
         elif (head["step"], head["rank"]) != (step, saved_by):
             faults.append((str(path), "damaged", f"holds worker {head['rank']}'s step {head['step']}"))
         else:
-            copies.append(Copy(str(path), step, saved_by, head["workers"], str(extra.get("digest")),
+            copies.append(Copy(str(path), step, saved_by, str(extra.get("digest")),
                                int(extra.get("epoch", 0)), int(extra.get("processed", 0))))
     return Holdings(rank, str(folder), tuple(copies), tuple(faults), tuple(sorted(records)))
 
@@ -136,45 +139,51 @@ def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str]
     for h in holdings:
         for c in h.copies:
             groups.setdefault((c.step, c.digest), {})[c.path] = c
-    records = {named for h in holdings for named in h.committed}
-    recorded_steps = {step for step, _ in records}
-
-    def committed(group: tuple[int, str]) -> bool:
-        """Named by a record; or, where no record names its step (none could be written),
-        saved by every rank of its save alike."""
-        copies = groups[group].values()
-        return group in records or (group[0] not in recorded_steps and {
-            c.saved_by for c in copies} >= set(range(max(c.workers for c in copies))))
-
-    good = sorted((g for g in groups if committed(g)), reverse=True)
+    runs: dict[tuple[int, str], int] = {}  # each committed (step, digest): the newest run naming it
+    for h in holdings:
+        for step, digest, run in h.committed:
+            runs[step, digest] = max(run, runs.get((step, digest), 0))
+    held = sorted((g for g in groups if g in runs), key=lambda g: (runs[g], g[0]), reverse=True)
     damaged = list(dict.fromkeys(f"{file} is damaged ({why})" for h in holdings  # a shared
                                  for file, state, why in h.faults if state == "damaged"))  # folder
-    notes = [f"{c.path} (step {c.step}) was never committed: passed over"
-             for g in sorted(groups) if not committed(g) for c in groups[g].values()] + damaged
-    if not good:
-        if not records and not damaged:
+    if not held:
+        notes = [f"{c.path} (step {c.step}): no commit record names it" for g in sorted(groups)
+                 for c in groups[g].values()] + damaged
+        if not runs and not damaged:  # a first save that never committed, or none at all
             return None, notes, {}
-        newest = max(records, default=None)
+        newest = max(runs, default=None)
         raise CheckpointError(REFUSED + "\n  ".join(
             damaged + ["no intact copy of a committed step is left"
                        + (f" (step {newest[0]} was committed)" if newest else "")
                        + "; restore the files, or remove every worker*-step*.pt and "
                          "worker*.commit file to start over"]))
-    step = good[0][0]
-    rivals = [g for g in good if g[0] == step]
+    best = held[0]
+    rivals = [g for g in held if (runs[g], g[0]) == (runs[best], best[0])]
     if len(rivals) > 1:
-        raise CheckpointError(f"{REFUSED}the committed copies of step {step} hold different "
-                              "parameters, so they come from different runs: " + "; ".join(
+        raise CheckpointError(f"{REFUSED}run {runs[best]} committed step {best[0]} with different "
+                              "parameters, so its records come from different runs: " + "; ".join(
                                   f"{c.path} {c.digest}" for g in rivals for c in groups[g].values()))
-    chosen = sorted(groups[good[0]].values(), key=lambda c: c.path)[0]
-    if step >= total:
-        raise CheckpointError(f"{REFUSED}{chosen.path} is too late: at step {step}, at or beyond "
+    chosen = sorted(groups[best].values(), key=lambda c: c.path)[0]
+    if best[0] >= total:
+        raise CheckpointError(f"{REFUSED}{chosen.path} is too late: at step {best[0]}, at or beyond "
                               f"the job's {total} steps: nothing left to train (raise --steps, or "
                               "remove the checkpoints to start over)")
-    lost = max((s for s, _ in records), default=step)
-    if lost > step:
+    # what this run holds of its own commits goes on; everything else is passed over
+    lineage = {g[0]: g[1] for g in held if runs[g] == runs[best] and g[0] <= best[0]}
+    notes = [f"{c.path} (step {c.step}) " + ("was never committed" if g not in runs else
+                                             f"is of run {runs[g]}, which run {runs[best]} "
+                                             f"went on from")
+             + ": passed over" for g in sorted(groups) if lineage.get(g[0]) != g[1]
+             for c in groups[g].values()] + damaged
+    lost = max((s for (s, _), r in runs.items() if r == runs[best]), default=best[0])
+    if lost > best[0]:
         notes.append(f"step {lost} was committed, but no intact copy of it is left")
-    return chosen, notes, {s: d for s, d in sorted(good)}
+    return chosen, notes, lineage
+
+
+def run_number(holdings: list[Holdings]) -> int:
+    """This run's number: one more than any record names."""
+    return 1 + max((run for h in holdings for _, _, run in h.committed), default=0)
 
 
 def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Module,
@@ -191,6 +200,7 @@ def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Modu
     holdings = bps.allgather_object(survey(directory, rank, checkpoint.job_identity(cfg)),
                                     name="checkpoint.findings")
     chosen, notes, committed = decide(holdings, total)
+    state.run = run_number(holdings)
     if chosen is not None:
         holder = min(h.rank for h in holdings if any((c.path, c.digest) == (chosen.path, chosen.digest)
                                                      for c in h.copies))
@@ -215,6 +225,6 @@ def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Modu
     if rank == 0 and (chosen is not None or notes):
         print((f"resuming from step {chosen.step} ({chosen.path}), the newest committed step, "
                f"with {bps.size()} worker(s)" if chosen is not None
-               else "starting fresh: no step was ever committed")
+               else "starting fresh: no commit record names a copy here")
               + "".join(f"\n  {note}" for note in notes), flush=True)
     return committed

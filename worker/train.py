@@ -219,7 +219,7 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
                 checkpoints.commit(model, opt, step=state.step, job=checkpoint.job_identity(cfg),
                                    meta=elastic_checkpoint.meta(state, digest),
                                    record=elastic_checkpoint.record(state.saved, state.step, digest,
-                                                                    checkpoints.keep))
+                                                                    checkpoints.keep, state.run))
                 state.saved = {s: {**state.saved, state.step: digest}[s] for s in checkpoints.committed}
                 state.commit()
             elif state.step % every == 0 or last:
