@@ -56,10 +56,10 @@ def test_a_copy_no_record_names_was_never_committed_and_is_passed_over():
     chosen, notes, committed = decide([_held(0, _copy(30, 0), _copy(40, 0), committed=[(30, "d", 1)]),
                                        _held(1, _copy(30, 1), committed=[(30, "d", 1)])], 100)
     assert chosen.step == 30 and committed == {30: "d"}
-    assert notes == ["/ckpt/worker0-step00000040.pt (step 40) was never committed: passed over"]
+    assert notes == ["/ckpt/worker0-step00000040.pt (step 40) no commit record names it: passed over"]
     # no record at all (a first save cut short): a fresh start, saying why
     assert decide([_held(0, _copy(4, 0)), _held(1)], 100) == \
-        (None, ["/ckpt/worker0-step00000004.pt (step 4): no commit record names it"], {})
+        (None, ["/ckpt/worker0-step00000004.pt (step 4) no commit record names it: passed over"], {})
     assert decide([_held(0, folder=""), _held(1, folder="")], 100) == (None, [], {})
 
 
@@ -72,7 +72,7 @@ def test_a_copy_of_a_step_the_job_took_again_is_not_the_jobs_step():
     chosen, notes, committed = decide([_held(0, *again, stale, committed=records),
                                        _held(1, *again, stale, committed=records)], 100)
     assert chosen.digest == "Y" and committed == {20: "Y"}
-    assert notes == ["/ckpt/worker2-step00000020.pt (step 20) was never committed: passed over"]
+    assert notes == ["/ckpt/worker2-step00000020.pt (step 20) no commit record names it: passed over"]
     # the records lost where the retake's copies are: back to what a record still names,
     # never to the rolled-back copies, however many ranks left them
     chosen, _, _ = decide([_held(0, _copy(10, 0, "W"), _copy(20, 0, "X"), committed=records[:1],

@@ -147,8 +147,8 @@ def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str]
     damaged = list(dict.fromkeys(f"{file} is damaged ({why})" for h in holdings  # a shared
                                  for file, state, why in h.faults if state == "damaged"))  # folder
     if not held:
-        notes = [f"{c.path} (step {c.step}): no commit record names it" for g in sorted(groups)
-                 for c in groups[g].values()] + damaged
+        notes = [f"{c.path} (step {c.step}) no commit record names it: passed over"
+                 for g in sorted(groups) for c in groups[g].values()] + damaged
         if not runs and not damaged:  # a first save that never committed, or none at all
             return None, notes, {}
         newest = max(runs, default=None)
@@ -170,7 +170,7 @@ def decide(holdings: list[Holdings], total: int) -> tuple[Copy | None, list[str]
                               "remove the checkpoints to start over)")
     # what this run holds of its own commits goes on; everything else is passed over
     lineage = {g[0]: g[1] for g in held if runs[g] == runs[best] and g[0] <= best[0]}
-    notes = [f"{c.path} (step {c.step}) " + ("was never committed" if g not in runs else
+    notes = [f"{c.path} (step {c.step}) " + ("no commit record names it" if g not in runs else
                                              f"is of run {runs[g]}, which run {runs[best]} "
                                              f"went on from")
              + ": passed over" for g in sorted(groups) if lineage.get(g[0]) != g[1]
@@ -221,7 +221,7 @@ def restore(directory: str | None, state: bps.elastic.TorchState, model: nn.Modu
     mine = next(h for h in holdings if h.rank == rank)
     for c in mine.copies:
         if committed.get(c.step) != c.digest:
-            checkpoint.remove(Path(c.path), "never committed")
+            checkpoint.remove(Path(c.path), "passed over")
     if rank == 0 and (chosen is not None or notes):
         print((f"resuming from step {chosen.step} ({chosen.path}), the newest committed step, "
                f"with {bps.size()} worker(s)" if chosen is not None
