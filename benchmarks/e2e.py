@@ -719,7 +719,7 @@ def parse_args() -> argparse.Namespace:
                     help="runs of every system; the report keeps each system's fastest")
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     ap.add_argument("--ratio", type=float, default=0.01)
-    ap.add_argument("--credit", type=int, default=128 << 10,
+    ap.add_argument("--credit", type=int, default=256 << 10,
                     help="ps-adtopk+crossbarrier's credit window when ordered by need, bytes")
     ap.add_argument("--scaling", action="store_true",
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")
