@@ -32,10 +32,11 @@ overhead), compute, compression (PS), the wait for answers after backward
 "hidden" is the share of ADTopk's compression and communication that
 overlap hides: 1 - (overlapped step - compute) / (step without overlap - compute).
 ps-adtopk+crossbarrier crosses the step barrier (adtopk_ps.torch.cross_barrier:
-each layer waits for its own update in the next forward pass); its rounds also
-time, on a copy of the model, the plain optimizer with overlap (at the barrier)
-and without, and it reports what crossing hides by the same formula and what
-overlap at the barrier hides. A cross-barrier step's communication lands
+each layer waits for its own update in the next forward pass), with the pushes
+as they come and, in runs of their own, ordered by need behind a --credit window
+(adtopk_ps/client/credit.py); its rounds also time, on a copy of the model, the
+plain optimizer with overlap (at the barrier) and without, and it reports what
+crossing hides by the same formula and what overlap at the barrier hides. A cross-barrier step's communication lands
 during whatever runs next, so that system's kinds are timed in runs of
 CROSSBARRIER_RUN steps, the cross-barrier run ending by waiting for its last
 updates (which it then counts as exposed: the figure is a lower bound).
