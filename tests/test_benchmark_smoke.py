@@ -125,16 +125,20 @@ def test_e2e_benchmark_reports_what_crossing_the_barrier_hides(tmp_path):
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = (tmp_path / "e2e-vgg-1024.md").read_text()
-    for row in ("ps-adtopk+crossbarrier", "ps-adtopk+crossbarrier, at the barrier with overlap",
+    for row in ("ps-adtopk+crossbarrier", "ps-adtopk+crossbarrier, ordered by need (256 KiB credit)",
+                "ps-adtopk+crossbarrier, at the barrier with overlap",
                 "ps-adtopk+crossbarrier, at the barrier without overlap"):
         m = re.search(rf"^\| {re.escape(row)} \| [\d.]+ \| (\d+) \| (\d+) \| (\d+) \| [^|]+ \| [^|]+ "
                       rf"\| \d+ \| ([\d.]+) \|", report, re.M)
         assert m and all(int(v) > 0 for v in m.groups()[:3]), report
         assert float(m.group(4)) < 5  # MB per step: ADTopk's, not dense
     assert re.search(r"Crossing the barrier \(ps-adtopk\+crossbarrier\): ADTopk compression \+ communication "
-                     r"hidden by the backward and the next forward pass: (-?\d+%|-); by the backward pass alone, "
-                     r"at the barrier: (-?\d+%|-) \(step \d+ ms crossing the barrier, \d+ ms with overlap at the "
-                     r"barrier, \d+ ms without, forward \+ backward alone \d+ ms", report), report
+                     r"hidden by the backward and the next forward pass: (-?\d+%|-) with the pushes as they "
+                     r"come, (-?\d+%|-) with them ordered by need behind a 256 KiB credit window; by the "
+                     r"backward pass alone, at the barrier: (-?\d+%|-) \(step \d+ ms crossing the barrier, "
+                     r"\d+ ms crossing it ordered, \d+ ms with overlap at the barrier, \d+ ms without, "
+                     r"forward \+ backward alone \d+ ms.*crossing ordered against the barrier with "
+                     r"overlap: [\d.]+x", report), report
 
 
 def test_e2e_benchmark_runs_over_loopback_where_namespaces_cannot_be_made(tmp_path):
