@@ -84,6 +84,20 @@ def test_an_urgent_push_overtakes_the_held_ones():
     assert sent[-1] == "late-3" and outbox.held == 0
 
 
+def test_a_new_window_sends_what_now_fits_and_none_sends_everything():
+    outbox, sent = Outbox(window=100), []
+    send = lambda server, frames: sent.append(frames[0])  # noqa: E731
+    for priority in range(4):
+        outbox.post(0, priority, [priority], (priority, 0), 60, send)
+    assert sent == [0] and outbox.held == 3
+    outbox.resize(130, send)  # 60 + 60 fits: one more leaves, without waiting for a receipt
+    assert sent == [0, 1] and outbox.held == 2
+    outbox.resize(0, send)  # no window: everything held leaves, in order
+    assert sent == [0, 1, 2, 3] and outbox.held == 0
+    outbox.post(0, 9, [9], (9, 0), 10 ** 6, send)
+    assert sent[-1] == 9
+
+
 def test_no_window_sends_at_once_and_a_cleared_outbox_forgets():
     sent = []
     Outbox(0).post(1, 9, ["x"], (1, 0), 10 ** 9, lambda s, f: sent.append((s, f[0])))

@@ -32,7 +32,7 @@ JOB = {"model": "mlp", "optimizer": {"name": "sgd"}}
 
 
 def _copy(step, saved_by, digest="d", folder="/ckpt"):
-    return Copy(f"{folder}/worker{saved_by}-step{step:08d}.pt", step, saved_by, digest, 0, 0)
+    return Copy(f"{folder}/worker{saved_by}-step{step:08d}.pt", step, digest, 0, 0)
 
 
 def _held(rank, *copies, committed=(), faults=(), folder="/ckpt"):

@@ -133,7 +133,7 @@ class Checkpoints:
             raise CheckpointError(f"the step-{step} checkpoint is not committed: {'; '.join(failures)}; "
                                   f"the job stops, and a rerun resumes from {then}")
         self.committed.append(step)
-        record_commit(self.directory, rank, step, record)
+        _record_commit(self.directory, rank, step, record)
         kept = set(self.committed[-self.keep:])
         for (_, old), file in files(self.directory, None if self.every_rank else rank).items():
             if old < step and old not in kept:
@@ -142,7 +142,7 @@ class Checkpoints:
         return path
 
 
-def record_commit(folder: Path, rank: int, step: int, extra: dict | None = None) -> None:
+def _record_commit(folder: Path, rank: int, step: int, extra: dict | None = None) -> None:
     """A record of the last committed step (and ``extra``); the files themselves decide a
     plain job's resume, so a record that cannot be written (a disk that just filled) costs
     only its mention in messages."""
@@ -156,7 +156,7 @@ def record_commit(folder: Path, rank: int, step: int, extra: dict | None = None)
         tmp.unlink(missing_ok=True)
 
 
-def recorded(folder: Path, rank: int) -> int | None:
+def _committed(folder: Path, rank: int) -> int | None:
     try:
         step = json.loads((folder / f"worker{rank}.commit").read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -198,7 +198,7 @@ def survey(directory: str | None, rank: int, workers: int, job: dict) -> Finding
             faults.append((str(path), "damaged", f"holds step {meta['step']} under the name of step {step}"))
         else:
             held[step] = str(path)
-    return Finding(rank, str(folder), held, tuple(faults), recorded(folder, rank))
+    return Finding(rank, str(folder), held, tuple(faults), _committed(folder, rank))
 
 
 def differences(saved: dict, job: dict) -> str:

@@ -45,7 +45,6 @@ class Copy:
 
     path: str
     step: int
-    saved_by: int  # the rank that saved it
     digest: str  # of its parameters
     epoch: int
     processed: int
@@ -68,11 +67,15 @@ def meta(state: bps.elastic.TorchState, digest: str) -> dict:
     return {"elastic": {"epoch": state.epoch, "processed": state.processed, "digest": digest}}
 
 
-def record(saved: dict[int, str], step: int, digest: str, keep: int, run: int) -> dict:
-    """What a commit record of ``step`` holds: the run, and the digest of every generation
-    kept after it."""
-    kept = {**saved, step: digest}
-    return {"run": run, "kept": {str(s): kept[s] for s in sorted(kept)[-keep:]}}
+def kept(saved: dict[int, str], step: int, digest: str, keep: int) -> dict[int, str]:
+    """The generations kept once ``step`` is committed (the newest ``keep``, as
+    :class:`checkpoint.Checkpoints` prunes), with their digests."""
+    return dict(sorted({**saved, step: digest}.items())[-keep:])
+
+
+def record(kept: dict[int, str], run: int) -> dict:
+    """What a commit record holds: the run, and the digest of every generation kept."""
+    return {"run": run, "kept": {str(step): digest for step, digest in kept.items()}}
 
 
 def _records(folder: Path) -> tuple[set[tuple[int, str, int]], list[tuple[str, str, str]]]:
@@ -117,7 +120,7 @@ def survey(directory: str | None, rank: int, job: dict) -> Holdings:
         elif (head["step"], head["rank"]) != (step, saved_by):
             faults.append((str(path), "damaged", f"holds worker {head['rank']}'s step {head['step']}"))
         else:
-            copies.append(Copy(str(path), step, saved_by, str(extra.get("digest")),
+            copies.append(Copy(str(path), step, str(extra.get("digest")),
                                int(extra.get("epoch", 0)), int(extra.get("processed", 0))))
     return Holdings(rank, str(folder), tuple(copies), tuple(faults), tuple(sorted(records)))
 

@@ -215,12 +215,12 @@ def train_elastic(cfg: dict, args, device: torch.device, dataset: Dataset) -> di
                 log[0].append(record)
             if checkpoints and (state.step % cfg["checkpoint_every"] == 0 or last):
                 digest = checkpoint.parameters_digest(model)
+                kept = elastic_checkpoint.kept(state.saved, state.step, digest, checkpoints.keep)
                 checkpoints.committed = sorted(state.saved)  # the job's, a joiner's too
                 checkpoints.commit(model, opt, step=state.step, job=checkpoint.job_identity(cfg),
                                    meta=elastic_checkpoint.meta(state, digest),
-                                   record=elastic_checkpoint.record(state.saved, state.step, digest,
-                                                                    checkpoints.keep, state.run))
-                state.saved = {s: {**state.saved, state.step: digest}[s] for s in checkpoints.committed}
+                                   record=elastic_checkpoint.record(kept, state.run))
+                state.saved = kept
                 state.commit()
             elif state.step % every == 0 or last:
                 state.commit()

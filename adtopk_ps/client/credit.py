@@ -77,6 +77,12 @@ class Outbox:
             self._unacked[server] -= size
             self._flush(server, send)
 
+    def resize(self, window: int, send: Send) -> None:
+        """A new window of ``window`` bytes: what now fits leaves (everything held, for none)."""
+        self.window = window
+        for server in list(self._queues):
+            self._flush(server, send, everything=not window)
+
     def send_all(self, send: Send) -> None:
         """Send everything held, in order, whatever the credit: something must follow every
         push queued before it (a finish, a request to the scheduler)."""

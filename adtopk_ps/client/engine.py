@@ -191,7 +191,8 @@ class Engine:
 
     def set_credit(self, window: int) -> None:
         """Change the credit window (credit.py) to ``window`` bytes, on the engine thread:
-        what it holds beyond a smaller window leaves as receipts come (at once, for none)."""
+        what fits the new window leaves at once (everything, for none); what it holds beyond
+        a smaller one, as receipts come."""
         with self.lock:
             self._credit = window
         self._poke()
@@ -333,10 +334,9 @@ class Engine:
                 poller, which = listen()
             with self.lock:
                 commands, self._commands = self._commands, []
-                if self._credit is not None:
-                    self.outbox.window, self._credit = self._credit, None
-            if not self.outbox.window:  # no window (now): nothing waits for credit
-                self.outbox.send_all(self._send_to)
+                credit, self._credit = self._credit, None
+            if credit is not None:
+                self.outbox.resize(credit, self._send_to)
             # every push queued before a request or finish was queued goes out before it
             self._launch(servers)
             if commands:

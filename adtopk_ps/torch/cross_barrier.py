@@ -18,7 +18,6 @@ names, as byteps' does: ``import adtopk_ps.torch.cross_barrier as bps``.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterable
 
 import torch
@@ -73,9 +72,8 @@ class _CrossBarrier(torch.optim.Optimizer):
         # crossing the barrier is overlapping; the step trial times pushes ordered by need
         # against none, unless PS_CREDIT_BYTES says which
         self.gradient_sync = for_wrapper("crossbarrier", named, compression,
-                                         backward_passes_per_step, overlap=True,
-                                         credit=None if os.environ.get("PS_CREDIT_BYTES", "").strip()
-                                         else "auto", crossing=True)
+                                         backward_passes_per_step, overlap=True, credit="auto",
+                                         crossing=True)
         self.gradient_sync.abandoned(self._pending.clear)  # (elastic) their answers will not come
         for module in model.modules():
             params = list(module.parameters(recurse=False))

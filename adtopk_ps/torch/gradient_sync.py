@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import weakref
 from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from adtopk_ps.client.engine import MembershipChanged, credit_window
+from adtopk_ps.client.engine import MembershipChanged
 from adtopk_ps.compression import Route, compression_speed
 from adtopk_ps.torch import fusion
 from adtopk_ps.torch.agreement import agree, describe
@@ -137,8 +138,9 @@ class GradientSync:
     small dense gradients share. ``summed``: :meth:`wait_all` leaves the
     workers' sum in ``p.grad`` instead of their average (horovod's ``op=Sum``);
     the workers must agree on it. ``credit``: the process's credit window in bytes
-    (client/credit.py; None leaves it as it is), or ``"auto"`` to time pushes ordered by
-    need behind ``PS_CREDIT_BYTES`` (or :data:`AUTO_CREDIT`) against none. ``crossing``:
+    (client/credit.py; None leaves it as it is), or ``"auto"``: the window
+    ``PS_CREDIT_BYTES`` gives where it is set, and otherwise a trial of pushes ordered by
+    need behind :data:`AUTO_CREDIT` against none. ``crossing``:
     a step's answers are waited for in the next step (CrossBarrier), so a step trial runs
     each mode two steps at a time and times the second.
 
@@ -165,7 +167,12 @@ class GradientSync:
         if credit not in (None, "auto") and (isinstance(credit, bool) or not isinstance(credit, int)
                                              or credit < 0):
             raise ValueError(f"credit must be bytes >= 0, 'auto' or None, got {credit!r}")
-        self._credits = [0, credit_window() or AUTO_CREDIT] if credit == "auto" else [credit]
+        if credit != "auto":
+            self._credits = [credit]
+        elif os.environ.get("PS_CREDIT_BYTES", "").strip():  # the engine keeps that window
+            self._credits = [None]
+        else:
+            self._credits = [0, AUTO_CREDIT]
         self._block = 2 if crossing else 1
         named = list(named)
         seen: set[str] = set()
