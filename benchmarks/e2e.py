@@ -10,8 +10,8 @@ sparsification: biases, norms and tensors under BYTEPS_MIN_COMPRESS_BYTES travel
     sudo python benchmarks/e2e.py --paired --models resnet18 transformer --links 10gbit \
         --systems ps-adtopk+cost ddp-dense                  # PS and DDP step for step
 
-Every PS system runs with the optimizer's default overlap="auto": its trial
-chooses in steps of their own before the timed rounds (timing
+Every PS system runs with the optimizer's default overlap="auto" (--overlap on or
+off fixes it): its trial chooses in steps of their own before the timed rounds (timing
 OVERLAP_TRIAL_STEPS steps each way; with the cost model, its routes and every
 tensor dense too), and each PS row says which way it chose.
 Each worker's timed rounds then take turns, in an order that rotates every
@@ -78,6 +78,8 @@ CROSSBARRIER_RUN = 4
 # steps the overlap="auto" trial times each way (jobs default to 8; PS_OVERLAP_TRIAL_STEPS overrides)
 OVERLAP_TRIAL_STEPS = 4
 SCALING_SYSTEMS = ["ps-dense", "ps-adtopk", "ddp-dense", "ddp-powersgd"]
+# --overlap: the PS optimizer's overlap argument
+OVERLAP = {"auto": "auto", "on": True, "off": False}
 # --- one worker ------------------------------------------------------------------------
 
 # name -> (prepare, step): prepare runs untimed before each timed step
@@ -126,7 +128,9 @@ def worker_device(args: argparse.Namespace):
 
 class Workload:
     """A worker's model, a twin of it for compute alone (no optimizer hooks, no DDP reducer on
-    it) and the one batch every step trains on, all on the worker's device."""
+    it) and the one batch every step trains on, all on the worker's device. The weights are
+    every worker's; the batch is this worker's own, as data-parallel workers' are (so their
+    sparse selections differ, and a server's answer is their union)."""
 
     def __init__(self, args: argparse.Namespace):
         import torch
@@ -137,7 +141,7 @@ class Workload:
         torch.manual_seed(0)
         self.model = build(arch, spec).to(self.device)
         self.twin = copy.deepcopy(self.model)
-        gen = torch.Generator().manual_seed(1)
+        gen = torch.Generator().manual_seed(1 + int(os.environ.get("DMLC_WORKER_ID", "0")))
         if inputs == "images":
             x = torch.randn(args.batch, 3, 32, 32, generator=gen)
             y = torch.randint(0, 10, (args.batch,), generator=gen)
@@ -200,6 +204,7 @@ class Traffic:
     def __init__(self, client, opt=None):
         self.client, self.opt = client, opt
         self.compress_s, self.bytes = client.compress_seconds, self.moved()
+        self.tally = client.ledger.snapshot()
 
     def moved(self) -> int:
         """Bytes moved so far, all told."""
@@ -207,9 +212,15 @@ class Traffic:
             (self.opt.allreduce_bytes if self.opt is not None else 0)
 
     def per_push(self, pushes: int) -> dict:
-        """Compression seconds and bytes moved since this was made, per PS step of ``pushes``."""
+        """Compression seconds and bytes moved since this was made, per PS step of ``pushes``;
+        this worker's bytes to and from each server, and the answers' width (the union of the
+        workers' selections, over the sparsified tensors' elements)."""
+        tally = self.client.ledger.snapshot().since(self.tally)
         return {"compress_s": (self.client.compress_seconds - self.compress_s) / pushes,
-                "bytes_per_step": (self.moved() - self.bytes) / pushes}
+                "bytes_per_step": (self.moved() - self.bytes) / pushes,
+                "pushed_per_step": {s: n / pushes for s, n in tally.as_dict()["pushed"].items()},
+                "pulled_per_step": {s: n / pushes for s, n in tally.as_dict()["pulled"].items()},
+                "answer_density": tally.answer_density}
 
 
 # --- a DDP system's worker --------------------------------------------------------------
@@ -276,7 +287,8 @@ def ps_rounds(args: argparse.Namespace, system: dict, work: Workload, compressio
 
     import adtopk_ps.torch as bps
     opt = bps.DistributedOptimizer(torch.optim.SGD(work.model.parameters(), lr=0.01),
-                                   work.model.named_parameters(), compression)  # overlap="auto"
+                                   work.model.named_parameters(), compression,
+                                   overlap=OVERLAP[args.overlap])
     waits: dict[str, list[float]] = {"step": [], "other": []}
     # the step trial (overlap, and with the cost model its routes against every tensor
     # dense) chooses in steps of its own, then every kind warms up; every worker chooses
@@ -417,15 +429,17 @@ def hidden_share(overlapped: dict, without: dict) -> str:
 
 # --- the driver ------------------------------------------------------------------------
 
-def run_system(net: dict, system: str, model: str, args: argparse.Namespace) -> dict:
-    """One run of ``system`` on ``model``: worker 0's RESULT; raises where a role failed."""
+def run_system(net: dict, system: str, model: str, args: argparse.Namespace,
+               extra_env: dict[str, str] | None = None) -> dict:
+    """One run of ``system`` on ``model`` (every role's environment with ``extra_env`` added):
+    worker 0's RESULT; raises where a role failed."""
     kind = SYSTEMS[system]["kind"]
-    env = role_env(net, args.servers, args.workers)
+    env = {**role_env(net, args.servers, args.workers), **(extra_env or {})}
     env.setdefault("PS_OVERLAP_TRIAL_STEPS", str(OVERLAP_TRIAL_STEPS))
     job = [sys.executable, __file__, "--worker", "--system", system, "--model", model,
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--ratio", str(args.ratio), "--credit", str(args.credit), "--workers", str(args.workers),
-           "--master", master_address(net),
+           "--master", master_address(net), "--overlap", args.overlap,
            "--device", args.device] + \
         (["--paired"] if args.paired else [])
     procs = []
@@ -722,6 +736,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ratio", type=float, default=0.01)
     ap.add_argument("--credit", type=int, default=256 << 10,
                     help="ps-adtopk+crossbarrier's credit window when ordered by need, bytes")
+    ap.add_argument("--overlap", default="auto", choices=list(OVERLAP),
+                    help="the PS systems' overlap (auto: the step trial chooses)")
     ap.add_argument("--scaling", action="store_true",
                     help="step time against model size (3 VGG sizes) and workers (1, 2, 4), first link only")
     ap.add_argument("--paired", action="store_true",

@@ -14,10 +14,16 @@ positions of their own, so with feedback the union is, if anything, wider.
 
     python benchmarks/union_density.py                          # W up to 256, 3 points
     python benchmarks/union_density.py --workers 2 8 64 --at 0 300
+    python benchmarks/union_density.py --json docs/scale-runs/union.json   # for the step model
+
+--json writes the last point's unions, {density: {compressor: {W: union}}}: the curve along
+which the scale study's step model (benchmarks/step_model.py) grows an answer beyond the
+workers it ran.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -74,6 +80,7 @@ def main() -> int:
                     help="training steps (plain SGD, batch 32) at which the gradients are taken")
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the last point's unions here")
     args = ap.parse_args()
     cfg = yaml.safe_load(CONFIG.read_text())
     torch.manual_seed(args.seed)
@@ -89,6 +96,7 @@ def main() -> int:
     print("| step | compressor | d | one worker's | " +
           " | ".join(f"W={w}" for w in args.workers) + " |")
     print("|---|---|---|---|" + "---|" * len(args.workers))
+    last: dict[str, dict[str, dict[int, float]]] = {}
     for at in sorted(args.at):
         while done < at:
             picked = torch.randint(len(data.x_train), (cfg["batch_size"],), generator=rng)
@@ -103,8 +111,11 @@ def main() -> int:
                 f"{1 - (1 - d) ** w:.4f}" for w in args.workers) + " |", flush=True)
             for name in ("adtopk", "topk"):
                 got = union_density(grads, {"compressor": name, "k": d}, args.workers)
+                last.setdefault(str(d), {})[name] = {1: got["own"], **got["union"]}
                 print(f"| {at} | {name} | {d} | {got['own']:.4f} | " + " | ".join(
                     f"{got['union'][w]:.4f}" for w in args.workers) + " |", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(last, indent=1) + "\n")
     return 0
 
 

@@ -301,10 +301,10 @@ def test_convergence_shards_split_the_whole_plan_the_same_way_every_sitting():
     assert convergence.shard(runs, left, 1, 2) == []
 
 
-def test_union_density_grows_with_the_workers_and_stays_within_the_independent_bound():
+def test_union_density_grows_with_the_workers_and_stays_within_the_independent_bound(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "union_density.py"), "--workers", "1", "2", "8",
-         "--at", "0", "--densities", "0.01"],
+         "--at", "0", "--densities", "0.01", "--json", str(tmp_path / "union.json")],
         capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
     rows = {m[1]: [float(v) for v in m[3].split(" | ")] for m in
@@ -314,3 +314,28 @@ def test_union_density_grows_with_the_workers_and_stays_within_the_independent_b
         one, two, eight = rows[name]
         assert 0.009 < one < 0.012 and one < two < eight, (name, rows[name])  # W=1: its own
         assert eight <= 8 * one + 1e-9  # a union holds at most all the selections
+    # --json: the same unions, for the step model to grow answers along
+    curves = json.loads((tmp_path / "union.json").read_text())["0.01"]
+    for name in ("adtopk", "topk"):
+        assert [round(curves[name][w], 4) for w in ("2", "8")] == rows[name][1:], (name, curves)
+
+
+@pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+def test_scale_benchmark_measures_models_and_resumes(tmp_path):
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--workers", "2", "--servers", "1",
+           "--steps", "2", "--warmup", "1", "--trials", "1", "--results", str(tmp_path / "runs"),
+           "--out", str(tmp_path), "--union", str(tmp_path / "none.json")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "4 run(s) to go" in out.stdout
+    report = (tmp_path / "scale-model.md").read_text()
+    for system in ("ddp-dense", "ps-topk", "ps-adtopk", "ps-adtopk+server-topk"):
+        row = re.search(rf"^\| 2 \| [-\d]+ \| {re.escape(system)} \| (\d+) \([\d-]+\) \| (\d+) \| "
+                        r"([+-]\d+)% \|", report, re.M)
+        assert row and int(row.group(1)) > 0 and int(row.group(2)) > 0, (system, report)
+    record = json.loads((tmp_path / "runs" / "1gbit-W2-S1-ps-adtopk-t0.json").read_text())
+    assert 0 < record["answer_density"] < 0.1 and record["pushed_per_step"]["0"] > 0
+    # without a union curve the projection names what is missing beyond the W it ran
+    assert "| 1 | 16 | " in report
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert again.returncode == 0 and "0 run(s) to go" in again.stdout, again.stdout[-2000:]

@@ -1,4 +1,8 @@
 """The worker client against real scheduler and server processes."""
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,8 +10,11 @@ from adtopk_ps.client.engine import PushPullError
 from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.compression import Compressor
 
+from procs import bpslaunch
 from procs import clients as start_clients
 from procs import roles
+
+PROGRAMS = Path(__file__).resolve().parent / "programs"
 
 
 @pytest.fixture
@@ -267,3 +274,22 @@ def test_tens_of_thousands_of_keys_to_one_server_in_one_burst():
             assert torch.allclose(handle.wait(60), grads[0] + grads[1])
         for c in workers:
             c.shutdown()
+
+
+def test_the_ledger_counts_bytes_per_server_and_the_answers_width():
+    """Two workers' top-k selections overlap by half: the answer carries their union (150 of
+    20,000), the dense push counts for bytes only, and the servers' shares add up."""
+    out = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
+                    sys.executable, str(PROGRAMS / "ledger_check.py"), timeout=120)
+    assert out.returncode == 0, out.stdout
+    tallies = [json.loads(line.split("tally ", 1)[1]) for line in out.stdout.splitlines()
+               if "tally " in line]
+    assert len(tallies) == 2, out.stdout
+    for t in tallies:
+        assert t["answer_elements"] == 150 and t["answer_numel"] == 20000
+        assert t["answer_density"] == 150 / 20000
+        assert sum(t["pushed"].values()) == t["bytes_pushed"] > 3000 * 4
+        assert sum(t["pulled"].values()) == t["bytes_pulled"] > 3000 * 4
+        assert set(t["pushed"]) == set(t["pulled"]) <= {"0", "1"}
+    # both workers' keys land on the same servers; the answers are the same bytes
+    assert tallies[0]["pulled"] == tallies[1]["pulled"]

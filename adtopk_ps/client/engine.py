@@ -33,6 +33,7 @@ import zmq
 from adtopk_ps import wire
 from adtopk_ps.client.credit import Outbox
 from adtopk_ps.client.handle import Handle
+from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
 from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
@@ -114,6 +115,7 @@ class _Part:
     round: int
     compressor: Compressor  # its ``restore`` runs on the answer
     name: str  # the partition's name, as the compressor knew it
+    sparse: bool  # its push was (the answer's width is the union's)
 
 
 class Engine:
@@ -124,7 +126,7 @@ class Engine:
         self.size = config.num_workers
         self.rank = -1
         self.servers: list[str] = []
-        self.bytes_pushed = self.bytes_pulled = 0
+        self.ledger = Ledger()  # bytes to and from each server, the answers' width
         self.compress_seconds = 0.0
         self.error: BaseException | None = None  # what ended the engine, if anything did
         self.rounds: dict[int, int] = {}  # the next round of each key
@@ -463,17 +465,17 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flags, **wire.epoch_field(self.epoch))
             size = sum(memoryview(f).nbytes for f in frames)
-            self.bytes_pushed += size
+            server = server_of(key, len(servers))
+            self.ledger.pushed(server, size)
             self._inflight.setdefault(key, deque()).append(
-                _Part(job.handle, out, rnd, job.compressor, pname))
-            self.outbox.post(server_of(key, len(servers)), job.priority, frames, (key, rnd), size,
-                             self._send_to)
+                _Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
+            self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
 
     def _send_to(self, server: int, frames: list) -> None:
         send(self._sockets[server], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
-        self.bytes_pulled += sum(memoryview(f).nbytes for f in frames)
+        self.ledger.pulled(server, sum(memoryview(f).nbytes for f in frames))
         try:
             msg = wire.decode(frames)
         except wire.WireError as exc:
@@ -500,6 +502,8 @@ class Engine:
             raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
                                f"of the wrong shape")
         handle, payload = part.handle, msg.payload
+        if part.sparse:
+            self.ledger.answered(payload.count, payload.numel)
         flagged = msg.extra.get("nonfinite", [])
         if flagged and flagged[-1] >= self.size:
             raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "

@@ -24,6 +24,7 @@ import zmq
 from adtopk_ps import wire
 from adtopk_ps.client.engine import Engine
 from adtopk_ps.client.handle import Agreement, Handle
+from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, name_id
 from adtopk_ps.cluster.transport import ClusterError, security
 from adtopk_ps.compression import Compressor, Dense
@@ -88,12 +89,18 @@ class PSClient:
     @property
     def bytes_pushed(self) -> int:
         """Bytes of every push sent so far."""
-        return self._engine.bytes_pushed
+        return self._engine.ledger.bytes_pushed
 
     @property
     def bytes_pulled(self) -> int:
         """Bytes of every answer received so far."""
-        return self._engine.bytes_pulled
+        return self._engine.ledger.bytes_pulled
+
+    @property
+    def ledger(self) -> Ledger:
+        """Bytes pushed to and pulled from each server so far, and the width of the answers to
+        sparse pushes (:mod:`adtopk_ps.client.ledger`)."""
+        return self._engine.ledger
 
     @property
     def compress_seconds(self) -> float:

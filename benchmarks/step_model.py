@@ -1,0 +1,308 @@
+"""A model of one training step, for the scale study (benchmarks/scale.py): fit on the W=2
+runs, validated on every run, and projected to large clusters.
+
+A PS step without overlap is compute, compression, then communication:
+
+    step = compute + compress + push + answer + server + decode + fixed
+
+* push: each worker sends its ``p`` bytes, a share ``p_j`` to server ``j``; server ``j``
+  receives ``W p_j``, so the busier of the worker's and the busiest server's link sets it:
+  ``max(p, W max_j p_j) / rate``.
+* answer: the same for what comes back, whose size ``a`` is the answers' width (the union of
+  the workers' selections): ``max(a, W max_j a_j) / rate``.
+* server: the busiest server's CPU per byte it takes in and sends, ``sigma W max_j (p_j + a_j)``,
+  and with ``BYTEPS_SERVER_COMPRESSOR`` its top-k over its share of the sparsified
+  elements, ``rho N_j``.
+* decode: the worker's CPU per byte of answer, ``kappa a``.
+* fixed: per-step costs that do not grow with bytes (one round trip, Python, keys), ``tau``.
+
+A DDP step (torch DDP on gloo, one ring all-reduce of ``B`` bytes) is
+
+    step = compute + 2 (W-1)/W B / rate + 2 (W-1) hop + tau_ring
+
+``rate`` is the link's rate less TCP/IP/Ethernet headers; ``hop`` a one-way latency, the
+configured netem delay in the measurement. ``sigma``, ``kappa``, ``rho``, ``tau`` and
+``tau_ring`` are fit (least squares, non-negative) on the W=2 runs only; every run is then predicted
+and the error shown. Compute and compression are taken from each run itself: on the
+measuring machine W+S processes share a few cores, which slows both, and that sharing is
+not what a cluster with a machine per role would see.
+
+The projection takes compute, compression, the push and the constants from the W=2, S=1
+runs, assumes keys spread evenly over the servers (BytePS partitions large tensors), and
+grows the answer with W along the union measured on real gradients
+(``benchmarks/union_density.py --json``): the run's own width up to the largest W
+measured, then that curve's growth. Where the union passes half a tensor, the server sends
+it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer stays at the density's size.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# bytes on the wire per byte of payload: a 1448-byte TCP segment (timestamps on) travels
+# with 52 bytes of TCP/IP header and 14 of Ethernet
+WIRE_OVERHEAD = (1448 + 52 + 14) / 1448
+# bytes a sparse answer carries per element: a float32 value and an int32 position
+COO_BYTES = 8
+NETEM_HOP_S = 2 * 0.2e-3  # netns.hosts' links: 0.2 ms at the host's port and at the switch's
+PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
+SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", "ps-adtopk+server-topk"]
+PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
+PROJECT_LINKS_GBIT = [1, 10, 25, 100]
+NEAR_BEST = 1.05  # "servers needed": the fewest within this of one server per worker
+
+
+def rate_of(link: str) -> float:
+    """Payload bytes per second a tc rate ("1gbit", "500mbit") carries."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+    for unit, scale in units.items():
+        if link.endswith(unit):
+            return float(link[:-len(unit)]) * scale / 8 / WIRE_OVERHEAD
+    raise ValueError(f"link {link!r}: expected a tc rate such as 1gbit")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one stored run says, as the model needs it (per step, worker 0's)."""
+
+    system: str
+    workers: int
+    servers: int
+    step: float
+    compute: float
+    compress: float
+    push: float  # bytes this worker pushed
+    answer: float  # bytes it pulled
+    busiest: float  # the busiest server's push + answer bytes, to or from this worker
+    push_max: float  # the most it pushed to one server
+    answer_max: float
+    width: float | None  # the answers' share of the sparsified tensors' elements
+    params: int
+    sparse_elements: int  # elements of the tensors the system sparsifies (DDP: none)
+
+    @classmethod
+    def of(cls, record: dict) -> "Run":
+        pushed = {int(s): n for s, n in record.get("pushed_per_step", {}).items()}
+        pulled = {int(s): n for s, n in record.get("pulled_per_step", {}).items()}
+        servers = set(pushed) | set(pulled)
+        dense_share = record["dense"][2] if "dense" in record else 1.0
+        return cls(record["system"], record["workers"], record["servers"], record["step_s"],
+                   record["compute_s"], record.get("compress_s", 0.0), sum(pushed.values()),
+                   sum(pulled.values()),
+                   max((pushed.get(s, 0) + pulled.get(s, 0) for s in servers), default=0.0),
+                   max(pushed.values(), default=0.0), max(pulled.values(), default=0.0),
+                   record.get("answer_density"), record["params"],
+                   round(record["params"] * (1 - dense_share)))
+
+
+@dataclass(frozen=True)
+class Constants:
+    sigma: float  # server seconds per byte it takes in and sends
+    kappa: float  # worker seconds per byte of answer
+    rho: float  # server seconds per element it re-sparsifies
+    tau: float  # seconds per PS step that no byte count explains
+    tau_ring: float  # the same for a DDP step
+
+
+def ps_terms(r: Run, rate: float) -> tuple[float, list[float]]:
+    """(what the model knows of a PS step, the coefficients of sigma, kappa, rho and tau)."""
+    w = r.workers
+    link = (max(r.push, w * r.push_max) + max(r.answer, w * r.answer_max)) / rate
+    # the busiest server's share of the sparsified elements, taken as its share of the push
+    resparsified = r.sparse_elements * r.push_max / r.push if resparsifies(r.system) else 0.0
+    return r.compute + r.compress + link + 2 * NETEM_HOP_S, [w * r.busiest, r.answer, resparsified, 1.0]
+
+
+def resparsifies(system: str) -> bool:
+    return system.endswith("+server-topk")
+
+
+def ring_terms(r: Run, rate: float, hop: float) -> float:
+    """What the model knows of a DDP step (all but tau_ring)."""
+    w = r.workers
+    return r.compute + 2 * (w - 1) / w * 4 * r.params / rate + 2 * (w - 1) * hop
+
+
+def fit(runs: list[Run], rate: float) -> Constants:
+    """sigma, kappa, rho and tau by non-negative least squares on the W=2 PS runs; tau_ring
+    as the W=2 DDP runs' mean residual."""
+    from scipy.optimize import nnls
+    ps = [r for r in runs if r.system != "ddp-dense" and r.workers == 2]
+    rows = [ps_terms(r, rate) for r in ps]
+    a = np.array([coef for _, coef in rows])
+    b = np.array([r.step - known for r, (known, _) in zip(ps, rows)])
+    (sigma, kappa, rho, tau), _ = nnls(a, b)
+    ring = [r.step - ring_terms(r, rate, NETEM_HOP_S) for r in runs
+            if r.system == "ddp-dense" and r.workers == 2]
+    return Constants(sigma, kappa, rho, tau, max(0.0, statistics.mean(ring)) if ring else 0.0)
+
+
+def predict(r: Run, c: Constants, rate: float) -> float:
+    if r.system == "ddp-dense":
+        return ring_terms(r, rate, NETEM_HOP_S) + c.tau_ring
+    known, (busy, answer, resparsified, one) = ps_terms(r, rate)
+    return known + c.sigma * busy + c.kappa * answer + c.rho * resparsified + c.tau * one
+
+
+# ---- the projection -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Profile:
+    """One system's per-worker figures from the W=2, S=1 runs, and how its answer grows."""
+
+    system: str
+    compute: float
+    compress: float
+    push: float
+    answer_fixed: float  # answer bytes that are not the union's (dense tensors, headers)
+    sparse_elements: int  # elements of the sparsified tensors
+    widths: dict[int, float]  # W -> the answers' width, measured up to the largest W run
+
+
+def profile(runs: list[Run], system: str) -> Profile:
+    base = [r for r in runs if r.system == system and r.workers == 2 and r.servers == 1]
+    mine = [r for r in runs if r.system == system]
+    widths = {w: statistics.mean(r.width for r in mine if r.workers == w)
+              for w in sorted({r.workers for r in mine})}
+    # the answer's bytes are COO_BYTES per element of the union, and a fixed part
+    fixed = statistics.mean(r.answer - COO_BYTES * r.width * r.sparse_elements for r in mine)
+    return Profile(system, statistics.mean(r.compute for r in base),
+                   statistics.mean(r.compress for r in base), statistics.mean(r.push for r in base),
+                   max(0.0, fixed), mine[0].sparse_elements, widths)
+
+
+def width_at(p: Profile, w: int, growth: dict[int, float] | None, capped: float | None) -> float:
+    """The answers' width at ``w`` workers: measured where run, else grown along ``growth``
+    (W -> union on real gradients) from the largest W run; ``capped``: the server's
+    re-sparsification holds it at that density."""
+    if capped is not None:
+        return capped
+    if w in p.widths:
+        return p.widths[w]
+    top = max(p.widths)
+    if growth is None or w not in growth or top not in growth:
+        raise ValueError(f"no union growth known from W={top} to W={w}: run "
+                         "benchmarks/union_density.py --json (see --union)")
+    return p.widths[top] * growth[w] / growth[top]
+
+
+def answer_bytes(p: Profile, width: float) -> float:
+    """Sparse while the union is under half a tensor, dense (4 bytes an element) beyond."""
+    return p.answer_fixed + p.sparse_elements * min(COO_BYTES * width, 4.0)
+
+
+def project_ps(p: Profile, c: Constants, w: int, s: int, rate: float, width: float) -> float:
+    a = answer_bytes(p, width)
+    link = (max(p.push, w * p.push / s) + max(a, w * a / s)) / rate
+    resparsified = p.sparse_elements / s if resparsifies(p.system) else 0.0
+    return p.compute + p.compress + link + c.sigma * w * (p.push + a) / s + c.kappa * a + \
+        c.rho * resparsified + c.tau + 2 * PROJECTED_HOP_S
+
+
+def project_ring(compute: float, params: int, c: Constants, w: int, rate: float) -> float:
+    return compute + 2 * (w - 1) / w * 4 * params / rate + 2 * (w - 1) * PROJECTED_HOP_S + c.tau_ring
+
+
+def servers_needed(p: Profile, c: Constants, w: int, rate: float, width: float) -> tuple[int, float]:
+    """The fewest servers (powers of two up to W) whose step is within NEAR_BEST of W servers',
+    and that step."""
+    best = project_ps(p, c, w, w, rate, width)
+    s = 1
+    while project_ps(p, c, w, s, rate, width) > NEAR_BEST * best:
+        s *= 2
+    return s, project_ps(p, c, w, s, rate, width)
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+def spread(values: list[float]) -> str:
+    return f"{1000 * statistics.mean(values):.0f} ({1000 * min(values):.0f}-{1000 * max(values):.0f})"
+
+
+def report(records: list[dict], args: argparse.Namespace) -> str:
+    runs = [Run.of(r) for r in records]
+    rate = rate_of(args.link)
+    c = fit(runs, rate)
+    params = runs[0].params
+    lines = ["# Scale: the step model, measured and projected", "",
+             f"Made by `sudo python benchmarks/scale.py` ({len(runs)} runs stored in "
+             f"`{Path(args.results).name}`; {args.model}, {params / 1e6:.1f} M parameters, batch "
+             f"{args.batch} per worker, density {args.ratio}, links {args.link}). The model is "
+             "benchmarks/step_model.py's. Times in ms: mean over the trials (lowest-highest).", "",
+             "## Measured against the model", "",
+             f"Fit on the W=2 runs: server {c.sigma * 1e9:.2f} ns per byte, worker "
+             f"{c.kappa * 1e9:.2f} ns per byte of answer, server re-sparsification "
+             f"{c.rho * 1e9:.2f} ns per element, {1000 * c.tau:.2f} ms per PS step, "
+             f"{1000 * c.tau_ring:.2f} ms per DDP step.", "",
+             "| W | S | system | step | model | error | compute | compress | push MB | answer MB "
+             "| answer width | busiest server MB in+out |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    worst = 0.0
+    keys = sorted({(r.workers, r.servers, r.system) for r in runs})
+    for w, s, system in keys:
+        mine = [r for r in runs if (r.workers, r.servers, r.system) == (w, s, system)]
+        steps = [r.step for r in mine]
+        model = statistics.mean(predict(r, c, rate) for r in mine)
+        error = model / statistics.mean(steps) - 1
+        worst = max(worst, abs(error))
+        sparse = system != "ddp-dense"
+        lines.append(
+            f"| {w} | {s if sparse else '-'} | {system} | {spread(steps)} | {1000 * model:.0f} | "
+            f"{error:+.0%} | {spread([r.compute for r in mine])} | "
+            + (f"{1000 * statistics.mean(r.compress for r in mine):.0f} | "
+               f"{statistics.mean(r.push for r in mine) / 1e6:.3f} | "
+               f"{statistics.mean(r.answer for r in mine) / 1e6:.3f} | "
+               f"{statistics.mean(r.width for r in mine):.4f} | "
+               f"{w * statistics.mean(r.busiest for r in mine) / 1e6:.2f} |" if sparse
+               else "- | - | - | - | - |"))
+    lines += ["", f"Largest error: {worst:.0%} (the goal: within 15% at every point).", ""]
+    lines += projection(runs, c, args)
+    return "\n".join(lines)
+
+
+def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
+    growth = load_growth(Path(args.union), args.ratio) if Path(args.union).exists() else None
+    params = runs[0].params
+    compute = statistics.mean(r.compute for r in runs if r.workers == 2 and r.servers == 1)
+    profiles = {s: profile(runs, s) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
+    lines = ["## Projected", "",
+             f"Each role on a machine of its own, links of 1-100 Gbit/s, {PROJECTED_HOP_S * 1e6:.0f} µs "
+             "one way per hop. Every PS system has the servers it needs (the fewest, in powers "
+             f"of two, within {NEAR_BEST - 1:.0%} of one server per worker; in brackets). "
+             "Step in ms, and against the ring all-reduce (DDP dense).", ""]
+    header = "| Gbit/s | W | ring all-reduce | " + " | ".join(profiles) + " | fastest |"
+    lines += [header, "|---:|---:|---:|" + "---:|" * len(profiles) + "---|"]
+    for gbit in PROJECT_LINKS_GBIT:
+        rate = rate_of(f"{gbit}gbit")
+        for w in PROJECT_WORKERS:
+            ring = project_ring(compute, params, c, w, rate)
+            cells, steps = [], {"ring all-reduce": ring}
+            for name, p in profiles.items():
+                capped = args.ratio if name.endswith("server-topk") else None
+                try:
+                    width = width_at(p, w, growth[name.split("+")[0]] if growth else None, capped)
+                except ValueError:
+                    cells.append("-")
+                    continue
+                s, step = servers_needed(p, c, w, rate, width)
+                steps[name] = step
+                cells.append(f"{1000 * step:.0f} (S={s}) {ring / step:.2f}x")
+            best = min(steps, key=steps.get)
+            lines.append(f"| {gbit} | {w} | {1000 * ring:.0f} | " + " | ".join(cells) + f" | {best} |")
+    return lines + [""]
+
+
+def load_growth(path: Path, density: float) -> dict[str, dict[int, float]]:
+    """system ("ps-topk", "ps-adtopk") -> W -> union at ``density``, from union_density.py
+    --json."""
+    data = json.loads(path.read_text())
+    if str(density) not in data:
+        raise ValueError(f"{path}: no unions at density {density} (it has {sorted(data)})")
+    return {f"ps-{name}": {int(w): u for w, u in curve.items()}
+            for name, curve in data[str(density)].items()}
+

@@ -1,0 +1,107 @@
+"""The scale study's step model (benchmarks/step_model.py): its fit finds the constants that
+made a set of steps, it predicts runs it was not fit on, answers turn dense past half a
+tensor, and a projection needs the servers the links say."""
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("step_model", ROOT / "benchmarks" / "step_model.py")
+step_model = importlib.util.module_from_spec(spec)
+sys.modules["step_model"] = step_model
+spec.loader.exec_module(step_model)
+
+PARAMS = 1_000_000
+DENSE_SHARE = 0.01
+
+
+def record(system: str, w: int, s: int, width: float, truth, rate: float) -> dict:
+    """A run whose step is what the model says for ``truth``'s constants."""
+    push = 80_000.0
+    sparse = round(PARAMS * (1 - DENSE_SHARE))
+    answer = 40_000 + step_model.COO_BYTES * width * sparse
+    servers = {str(j): 1 / s for j in range(s)}
+    rec = {"system": system, "workers": w, "servers": s, "compute_s": 0.02 * (1 + w / 8),
+           "compress_s": 0.005, "params": PARAMS, "step_s": 0.0}
+    if system != "ddp-dense":
+        rec.update(pushed_per_step={j: push * f for j, f in servers.items()},
+                   pulled_per_step={j: answer * f for j, f in servers.items()},
+                   answer_density=width, dense=[3, 10, DENSE_SHARE])
+    rec["step_s"] = step_model.predict(step_model.Run.of(rec), truth, rate)
+    return rec
+
+
+def synthetic(truth, rate: float) -> list[dict]:
+    widths = {"ps-topk": {2: 0.019, 4: 0.03, 8: 0.047}, "ps-adtopk": {2: 0.012, 4: 0.02, 8: 0.03},
+              "ps-adtopk+server-topk": {2: 0.01, 4: 0.01, 8: 0.01}}
+    out = [record("ddp-dense", w, 1, 0, truth, rate) for w in (2, 4, 8)]
+    for system, by_w in widths.items():
+        out += [record(system, w, s, width, truth, rate) for w, width in by_w.items() for s in (1, 2, 4)]
+    return out
+
+
+constants = st.builds(step_model.Constants, sigma=st.floats(0, 5e-9), kappa=st.floats(0, 5e-9),
+                      rho=st.floats(0, 5e-9), tau=st.floats(0, 0.01), tau_ring=st.floats(0, 0.01))
+
+
+@settings(max_examples=40, deadline=None)
+@given(truth=constants)
+def test_the_fit_on_w2_predicts_every_run_that_the_same_constants_made(truth):
+    rate = step_model.rate_of("1gbit")
+    runs = [step_model.Run.of(r) for r in synthetic(truth, rate)]
+    fitted = step_model.fit(runs, rate)
+    for run in runs:  # W=4 and 8 were not in the fit
+        assert step_model.predict(run, fitted, rate) == pytest.approx(run.step, rel=1e-6)
+
+
+def test_a_rate_is_the_links_less_its_headers():
+    assert step_model.rate_of("1gbit") == pytest.approx(125e6 * 1448 / 1514)
+    assert step_model.rate_of("500mbit") == pytest.approx(step_model.rate_of("1gbit") / 2)
+    with pytest.raises(ValueError, match="1gbyte"):
+        step_model.rate_of("1gbyte")
+
+
+def test_an_answer_goes_dense_past_half_a_tensor_and_grows_along_the_union_curve():
+    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 80_000, 1_000, 1_000_000, {2: 0.01, 8: 0.03})
+    assert step_model.answer_bytes(p, 0.1) == 1_000 + 8 * 0.1 * 1_000_000
+    assert step_model.answer_bytes(p, 0.6) == step_model.answer_bytes(p, 0.9) == 1_000 + 4_000_000
+    growth = {2: 0.02, 8: 0.05, 64: 0.10}
+    assert step_model.width_at(p, 8, growth, None) == 0.03  # measured: as measured
+    assert step_model.width_at(p, 64, growth, None) == pytest.approx(0.06)  # 0.03 * 0.10 / 0.05
+    assert step_model.width_at(p, 64, growth, 0.01) == 0.01  # the servers re-sparsify
+    with pytest.raises(ValueError, match="union_density.py --json"):
+        step_model.width_at(p, 64, None, None)
+
+
+def test_more_workers_need_more_servers_on_a_slow_link_and_fewer_on_a_fast_one():
+    c = step_model.Constants(0.0, 0.0, 0.0, 0.001, 0.001)
+    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 200_000, 10_000, 3_000_000, {2: 0.02})
+    slow = [step_model.servers_needed(p, c, w, step_model.rate_of("1gbit"), 0.02)[0] for w in (16, 64, 256)]
+    assert slow == sorted(slow) and slow[-1] > slow[0]
+    fast = step_model.servers_needed(p, c, 256, step_model.rate_of("100gbit"), 0.02)[0]
+    assert fast < slow[-1]
+
+
+def test_the_report_names_its_worst_error_and_projects_every_link(tmp_path):
+    truth = step_model.Constants(1e-9, 2e-9, 1e-9, 0.004, 0.007)
+    records = synthetic(truth, step_model.rate_of("1gbit"))
+    union = {"0.01": {"topk": {"1": 0.01, "2": 0.0175, "8": 0.047, "16": 0.066, "32": 0.087,
+                               "64": 0.107, "128": 0.133, "256": 0.155},
+                      "adtopk": {"1": 0.005, "2": 0.0097, "8": 0.027, "16": 0.042, "32": 0.06,
+                                 "64": 0.08, "128": 0.106, "256": 0.132}}}
+    (tmp_path / "union.json").write_text(json.dumps(union))
+    args = argparse.Namespace(link="1gbit", results=str(tmp_path), model="vgg-1024", batch=8,
+                              ratio=0.01, union=str(tmp_path / "union.json"))
+    text = step_model.report(records, args)
+    assert "Largest error: 0%" in text
+    for gbit in step_model.PROJECT_LINKS_GBIT:
+        for w in step_model.PROJECT_WORKERS:
+            row = re.search(rf"^\| {gbit} \| {w} \| (\d+) \| (.*) \| ([\w+ -]+) \|$", text, re.M)
+            assert row and "-" not in row.group(2).split(" | ")[0], (gbit, w)
