@@ -4,9 +4,16 @@
 Two tasks: Fashion-MNIST with a small CNN (test accuracy) and a byte-level Transformer on
 Python's standard library (test loss, bits per byte). For each density, ADTopk runs at that
 density and every other sparsifier at the density that makes its payloads for the task's
-sparsified layers as large as ADTopk's (bisection on real payload sizes), so runs compare at
-equal bytes. Layers the policy keeps dense are the same in every run; dense training is the
-reference.
+sparsified layers as large as ADTopk's, so runs compare at equal bytes. The sizes are those
+of real payloads on real gradients: the task's model trained with plain SGD to steps 0, 300
+and 1500, a few gradients at each (benchmarks/union_density.py's), every compressor
+compressing each twice (ADTopk-I alternates); a bisection finds the matching density.
+ADTopk's payloads leave out the rows that selected only zeros, which real gradients have
+(units that gave no gradient) and random ones do not. ADTopk with refill
+(``adtopk+refill``) runs at the density itself: it gives the entries dead rows free to the
+live rows, so it sends about the density's bytes, more than plain ADTopk; its report line
+names what it pushed. Layers the policy keeps dense are the same in every run; dense
+training is the reference.
 
 Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
 and runs already there are skipped: stop it at any time and run the same command again to go
@@ -41,11 +48,18 @@ from adtopk_ps.deathsig import guarded
 from adtopk_ps.wire import payload_nbytes
 from worker.models import build
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from union_density import trained_gradients  # noqa: E402  (the real gradients it measures on)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = {"fashion": ROOT / "configs" / "fashion-cnn.yaml",
          "pysource": ROOT / "configs" / "pysource-transformer.yaml"}
-MAIN = ["topk", "adtopk", "adtopk-i"]  # every seed, every density
+MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill"]  # every seed, every density
+# a method's job flags beyond --compressor
+FLAGS = {"adtopk+refill": ["--set", "compression.refill=true"]}
+# training steps at which the matching takes its real gradients, and how many at each
+MATCH_AT, MATCH_BATCHES = [0, 300, 1500], 4
 OTHERS = ["threshold", "randomk", "dgc", "gaussiank"]  # the first seed, the first density
 
 
@@ -82,6 +96,11 @@ def shard(runs: list[Run], pending: list[Run], index: int, count: int) -> list[R
     return [r for r in runs[index - 1::count] if r in pending]
 
 
+def real_gradients(task: str) -> list[dict[str, torch.Tensor]]:
+    """The task's gradients the matching compresses: MATCH_BATCHES at each of MATCH_AT."""
+    return [g for _, grads in trained_gradients(TASKS[task], MATCH_AT, MATCH_BATCHES, 0) for g in grads]
+
+
 def sparsified_shapes(config: Path) -> list[tuple[int, ...]]:
     cfg = yaml.safe_load(config.read_text())
     model = build(cfg["model"], cfg.get("model_args", {}))
@@ -90,26 +109,26 @@ def sparsified_shapes(config: Path) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for n, p in model.named_parameters() if not routes[n].dense]
 
 
-def sparse_bytes(name: str, ratio: float, shapes: list[tuple[int, ...]]) -> float:
-    """Mean payload bytes per step over the sparsified layers (two calls: ADTopk-I alternates)."""
-    comp = create(name, ratio=ratio)
-    gen = torch.Generator().manual_seed(0)
+def sparse_bytes(name: str, ratio: float, grads: list[dict[str, torch.Tensor]]) -> float:
+    """Mean payload bytes per step of ``name`` at ``ratio`` over the sparsified layers of each
+    gradient set (two calls each: ADTopk-I alternates)."""
     total = 0
-    for i, shape in enumerate(shapes):
-        g = torch.randn(shape, generator=gen)
-        total += sum(payload_nbytes(comp.compress(g, f"p{i}", step)) for step in range(2))
-    return total / 2
+    for g in grads:
+        comp = create(name, ratio=ratio)
+        total += sum(payload_nbytes(comp.compress(t, n, step)) for n, t in g.items() for step in range(2))
+    return total / (2 * len(grads))
 
 
-def matching_ratio(name: str, density: float, shapes: list[tuple[int, ...]]) -> float:
-    """The density at which ``name``'s payloads weigh what ADTopk's do at ``density``."""
-    if name == "adtopk":
+def matching_ratio(name: str, density: float, grads: list[dict[str, torch.Tensor]]) -> float:
+    """The density at which ``name``'s payloads weigh what ADTopk's do at ``density`` on
+    ``grads``; ADTopk, and ADTopk with refill, run at ``density`` itself."""
+    if name in ("adtopk", "adtopk+refill"):
         return density
-    target = sparse_bytes("adtopk", density, shapes)
+    target = sparse_bytes("adtopk", density, grads)
     lo, hi = math.log(1e-5), 0.0
     for _ in range(40):
         mid = (lo + hi) / 2
-        if sparse_bytes(name, math.exp(mid), shapes) < target:
+        if sparse_bytes(name, math.exp(mid), grads) < target:
             lo = mid
         else:
             hi = mid
@@ -123,8 +142,8 @@ def execute(run: Run, ratio: float | None, args: argparse.Namespace, results: Pa
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", str(args.workers),
            "--num-servers", str(args.servers), "--timeout", str(args.run_timeout), "--",
            sys.executable, "-m", "worker", "--config", str(TASKS[run.task]), "--compressor",
-           run.compressor, "--seed", str(run.seed), "--metrics", str(metrics), "--metrics-out",
-           str(summary), "--set", "progress=false"]
+           run.compressor.split("+")[0], "--seed", str(run.seed), "--metrics", str(metrics),
+           "--metrics-out", str(summary), "--set", "progress=false", *FLAGS.get(run.compressor, [])]
     if ratio is not None:
         cmd += ["--ratio", repr(ratio)]
     if args.device:
@@ -148,7 +167,7 @@ def settings(task: str, args: argparse.Namespace) -> dict:
     """What else decides a run's result: runs stored with other settings are not this study's."""
     config = hashlib.sha256(TASKS[task].read_bytes()).hexdigest()[:16]
     return {"config_sha256": config, "workers": args.workers, "servers": args.servers,
-            "device": args.device, "set": list(args.set)}
+            "device": args.device, "set": list(args.set), "matched_on": "real gradients"}
 
 
 def store(path: Path, record: dict) -> None:
@@ -248,7 +267,8 @@ def verdicts(task: str, density: float, by_method: dict[str, list[dict]]) -> lis
     """Which differences in final score are larger than the seeds' spread: the 95% interval of
     the difference in means (Welch) excludes zero."""
     finals = {m: [final_of(task, r) for r in runs] for m, runs in by_method.items()}
-    pairs = [(m, "dense") for m in finals if m != "dense"] + [("adtopk", "topk"), ("adtopk-i", "topk")]
+    pairs = [(m, "dense") for m in finals if m != "dense"] + \
+        [("adtopk", "topk"), ("adtopk-i", "topk"), ("adtopk+refill", "adtopk")]
     higher = higher_is_better(task)
     lines = []
     for a, b in pairs:
@@ -355,12 +375,15 @@ def main() -> None:
         mine = shard(runs, pending, int(index), int(count))
         print(f"{len(pending)} run(s) pending; this shard runs {len(mine)}", flush=True)
         ratios: dict[tuple[str, str, float], float] = {}
+        grads: dict[str, list] = {}
         for i, run in enumerate(mine, 1):
             ratio = None
             if run.density is not None:
                 key = (run.task, run.compressor, run.density)
                 if key not in ratios:
-                    ratios[key] = matching_ratio(run.compressor, run.density, sparsified_shapes(TASKS[run.task]))
+                    if run.task not in grads:
+                        grads[run.task] = real_gradients(run.task)
+                    ratios[key] = matching_ratio(run.compressor, run.density, grads[run.task])
                 ratio = ratios[key]
             record = execute(run, ratio, args, results)
             store(results / f"{run.tag}.json", record)

@@ -4,6 +4,7 @@ W = 2, 4 and 8 workers and S = 1, 2 and 4 servers on shaped links, a model of th
 16-256 workers on 1-100 Gbit/s links.
 
     sudo python benchmarks/scale.py                  # run what is missing, then report
+    sudo python benchmarks/scale.py --link 1gbit     # the same on faster links
     sudo python benchmarks/scale.py --report         # the model and the report only
 
 Every role is a host of its own (a network namespace; adtopk_ps/testing/netns.py), every
@@ -134,7 +135,7 @@ def main() -> None:
         sys.exit(f"scale benchmark: no runs stored in {results} for {args.link}")
     import step_model
     text = step_model.report(runs, args)
-    (Path(args.out) / "scale-model.md").write_text(text + "\n")
+    (Path(args.out) / f"scale-model-{args.link}.md").write_text(text + "\n")
     print(text)
 
 

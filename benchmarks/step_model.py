@@ -265,36 +265,87 @@ def report(records: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
+def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
+    """(Gbit/s, W) -> system -> (step, servers, answer width), for every system the runs
+    allow (a sparse system with no union curve beyond the W it ran, only up to there)."""
     growth = load_growth(Path(args.union), args.ratio) if Path(args.union).exists() else None
     params = runs[0].params
     compute = statistics.mean(r.compute for r in runs if r.workers == 2 and r.servers == 1)
     profiles = {s: profile(runs, s) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
+    out: dict = {}
+    for gbit in PROJECT_LINKS_GBIT:
+        rate = rate_of(f"{gbit}gbit")
+        for w in PROJECT_WORKERS:
+            row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
+            for name, p in profiles.items():
+                capped = args.ratio if resparsifies(name) else None
+                try:
+                    width = width_at(p, w, growth[name.split("+")[0]] if growth else None, capped)
+                except ValueError:
+                    continue
+                s, step = servers_needed(p, c, w, rate, width)
+                row[name] = (step, s, width)
+    return out
+
+
+def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
+    found = projected(runs, c, args)
+    systems = [s for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)]
     lines = ["## Projected", "",
              f"Each role on a machine of its own, links of 1-100 Gbit/s, {PROJECTED_HOP_S * 1e6:.0f} µs "
              "one way per hop. Every PS system has the servers it needs (the fewest, in powers "
              f"of two, within {NEAR_BEST - 1:.0%} of one server per worker; in brackets). "
-             "Step in ms, and against the ring all-reduce (DDP dense).", ""]
-    header = "| Gbit/s | W | ring all-reduce | " + " | ".join(profiles) + " | fastest |"
-    lines += [header, "|---:|---:|---:|" + "---:|" * len(profiles) + "---|"]
-    for gbit in PROJECT_LINKS_GBIT:
-        rate = rate_of(f"{gbit}gbit")
-        for w in PROJECT_WORKERS:
-            ring = project_ring(compute, params, c, w, rate)
-            cells, steps = [], {"ring all-reduce": ring}
-            for name, p in profiles.items():
-                capped = args.ratio if name.endswith("server-topk") else None
-                try:
-                    width = width_at(p, w, growth[name.split("+")[0]] if growth else None, capped)
-                except ValueError:
-                    cells.append("-")
-                    continue
-                s, step = servers_needed(p, c, w, rate, width)
-                steps[name] = step
-                cells.append(f"{1000 * step:.0f} (S={s}) {ring / step:.2f}x")
-            best = min(steps, key=steps.get)
-            lines.append(f"| {gbit} | {w} | {1000 * ring:.0f} | " + " | ".join(cells) + f" | {best} |")
-    return lines + [""]
+             "Step in ms, and against the ring all-reduce (DDP dense).", "",
+             "| Gbit/s | W | ring all-reduce | " + " | ".join(systems) + " | fastest |",
+             "|---:|---:|---:|" + "---:|" * len(systems) + "---|"]
+    for (gbit, w), row in found.items():
+        ring = row["ring all-reduce"][0]
+        cells = [f"{1000 * row[n][0]:.0f} (S={row[n][1]}) {ring / row[n][0]:.2f}x" if n in row else "-"
+                 for n in systems]
+        best = min(row, key=lambda n: row[n][0])
+        lines.append(f"| {gbit} | {w} | {1000 * ring:.0f} | " + " | ".join(cells) + f" | {best} |")
+    lines += ["", "What the answer's growth costs: each sparse system's projected step with its "
+              "answer as wide as the union at W, against the same step with the answer as wide "
+              "as at W=2 (its servers as above).", "",
+              "| Gbit/s | W | system | answer width | step | with W=2's width | growth costs |",
+              "|---:|---:|---|---:|---:|---:|---:|"]
+    profiles = {s: profile(runs, s) for s in systems}
+    for (gbit, w), row in found.items():
+        for name in systems:
+            if name not in row or resparsifies(name):
+                continue
+            step, s, width = row[name]
+            narrow = project_ps(profiles[name], c, w, s, rate_of(f"{gbit}gbit"), profiles[name].widths[2])
+            lines.append(f"| {gbit} | {w} | {name} | {width:.4f} | {1000 * step:.0f} | "
+                         f"{1000 * narrow:.0f} | {step / narrow - 1:+.0%} |")
+    chart(found, systems, Path(args.out) / f"scale-model-{args.link}.png")
+    return lines + ["", f"![projected steps](scale-model-{args.link}.png)", ""]
+
+
+def chart(found: dict, systems: list[str], path: Path) -> None:
+    """Projected step against W, one panel per link; none (said so) without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"scale benchmark: no chart ({path.name}): matplotlib is not installed", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    links = sorted({g for g, _ in found})
+    fig, axes = plt.subplots(1, len(links), figsize=(4 * len(links), 3.8), sharey=False)
+    for ax, gbit in zip(axes, links):
+        for name in ["ring all-reduce", *systems]:
+            points = [(w, row[name][0]) for (g, w), row in found.items() if g == gbit and name in row]
+            if points:
+                ax.plot([w for w, _ in points], [1000 * t for _, t in points], marker="o", label=name)
+        ax.set(xscale="log", xlabel="workers", ylabel="step (ms)", title=f"{gbit} Gbit/s")
+        ax.set_xticks(PROJECT_WORKERS, [str(w) for w in PROJECT_WORKERS])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def load_growth(path: Path, density: float) -> dict[str, dict[int, float]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -47,10 +48,41 @@ def gradients(model: torch.nn.Module, data, batches: int, batch_size: int, seed:
     for _ in range(batches):
         picked = torch.randint(len(data.x_train), (batch_size,), generator=rng)
         model.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(data.x_train[picked]), data.y_train[picked])
-        loss.backward()
+        loss(model, data.x_train[picked], data.y_train[picked]).backward()
         out.append({n: params[n].grad.detach().clone() for n in names})
     return out
+
+
+def trained_gradients(config: Path, at: list[int], batches: int, seed: int
+                      ) -> Iterator[tuple[int, list[dict[str, torch.Tensor]]]]:
+    """(step, ``batches`` gradients of the tensors the job sparsifies) at each step of ``at``:
+    the config's model trained with plain SGD (its learning rate, momentum 0.9, its batch size)
+    on the config's data, each gradient on a random batch of its own."""
+    cfg = yaml.safe_load(config.read_text())
+    torch.manual_seed(seed)
+    data = load(cfg["dataset"], seed, cfg.get("dataset_args"))
+    model = build(cfg["model"], cfg["model_args"])
+    names = [n for n, p in model.named_parameters()
+             if p.numel() * p.element_size() >= cfg["min_compress_bytes"]]
+    print(f"{cfg['model']} {cfg['model_args']} on {cfg['dataset']}: sparsified tensors "
+          f"{', '.join(names)} ({sum(dict(model.named_parameters())[n].numel() for n in names)} "
+          f"elements)", flush=True)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg["optimizer"]["lr"], momentum=0.9)
+    done, rng = 0, torch.Generator().manual_seed(seed + 1)
+    for point in sorted(at):
+        while done < point:
+            picked = torch.randint(len(data.x_train), (cfg["batch_size"],), generator=rng)
+            opt.zero_grad()
+            loss(model, data.x_train[picked], data.y_train[picked]).backward()
+            opt.step()
+            done += 1
+        yield point, gradients(model, data, batches, cfg["batch_size"], seed + point, names)
+
+
+def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the classes, or over every position of a language model's output."""
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def union_density(grads: list[dict[str, torch.Tensor]], spec: dict, workers: list[int]) -> dict:
@@ -82,30 +114,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the last point's unions here")
     args = ap.parse_args()
-    cfg = yaml.safe_load(CONFIG.read_text())
-    torch.manual_seed(args.seed)
-    data = load(cfg["dataset"], args.seed, cfg.get("dataset_args"))
-    model = build(cfg["model"], cfg["model_args"])
-    names = [n for n, p in model.named_parameters()
-             if p.numel() * p.element_size() >= cfg["min_compress_bytes"]]
-    print(f"{cfg['model']} {cfg['model_args']} on {cfg['dataset']}: sparsified tensors "
-          f"{', '.join(names)} ({sum(dict(model.named_parameters())[n].numel() for n in names)} "
-          f"elements)", flush=True)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg["optimizer"]["lr"], momentum=0.9)
-    done, rng = 0, torch.Generator().manual_seed(args.seed + 1)
     print("| step | compressor | d | one worker's | " +
           " | ".join(f"W={w}" for w in args.workers) + " |")
     print("|---|---|---|---|" + "---|" * len(args.workers))
     last: dict[str, dict[str, dict[int, float]]] = {}
-    for at in sorted(args.at):
-        while done < at:
-            picked = torch.randint(len(data.x_train), (cfg["batch_size"],), generator=rng)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(data.x_train[picked]),
-                                              data.y_train[picked]).backward()
-            opt.step()
-            done += 1
-        grads = gradients(model, data, max(args.workers), cfg["batch_size"], args.seed + at, names)
+    for at, grads in trained_gradients(CONFIG, args.at, max(args.workers), args.seed):
         for d in args.densities:
             print(f"| {at} | independent | {d} | {d:.4f} | " + " | ".join(
                 f"{1 - (1 - d) ** w:.4f}" for w in args.workers) + " |", flush=True)

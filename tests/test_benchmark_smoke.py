@@ -301,6 +301,28 @@ def test_convergence_shards_split_the_whole_plan_the_same_way_every_sitting():
     assert convergence.shard(runs, left, 1, 2) == []
 
 
+def test_convergence_matches_densities_on_real_payloads():
+    """Every sparsifier's density is found so that its payloads, on the task's real gradients,
+    weigh ADTopk's; ADTopk's own (and refill's) is the density itself."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import convergence
+        from union_density import trained_gradients
+    finally:
+        sys.path.pop(0)
+    grads = [g for _, gs in trained_gradients(convergence.TASKS["fashion"], [0, 40], 2, 0) for g in gs]
+    target = convergence.sparse_bytes("adtopk", 0.01, grads)
+    for name in ("topk", "adtopk-i"):
+        # where the target falls between two of a compressor's sizes (ADTopk-I keeps whole
+        # values per fibre), the ratio sits at the step between them
+        ratio = convergence.matching_ratio(name, 0.01, grads)
+        below, above = (convergence.sparse_bytes(name, ratio * f, grads) for f in (0.99, 1.01))
+        assert below <= target <= above, (name, below, target, above)
+    topk = convergence.sparse_bytes("topk", convergence.matching_ratio("topk", 0.01, grads), grads)
+    assert topk == pytest.approx(target, rel=0.01)
+    assert convergence.matching_ratio("adtopk+refill", 0.01, grads) == 0.01
+
+
 def test_union_density_grows_with_the_workers_and_stays_within_the_independent_bound(tmp_path):
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "union_density.py"), "--workers", "1", "2", "8",
@@ -324,11 +346,11 @@ def test_union_density_grows_with_the_workers_and_stays_within_the_independent_b
 def test_scale_benchmark_measures_models_and_resumes(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--workers", "2", "--servers", "1",
            "--steps", "2", "--warmup", "1", "--trials", "1", "--results", str(tmp_path / "runs"),
-           "--out", str(tmp_path), "--union", str(tmp_path / "none.json")]
+           "--out", str(tmp_path), "--union", str(tmp_path / "none.json"), "--link", "1gbit"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "4 run(s) to go" in out.stdout
-    report = (tmp_path / "scale-model.md").read_text()
+    report = (tmp_path / "scale-model-1gbit.md").read_text()
     for system in ("ddp-dense", "ps-topk", "ps-adtopk", "ps-adtopk+server-topk"):
         row = re.search(rf"^\| 2 \| [-\d]+ \| {re.escape(system)} \| (\d+) \([\d-]+\) \| (\d+) \| "
                         r"([+-]\d+)% \|", report, re.M)
