@@ -98,10 +98,12 @@ def test_the_report_names_its_worst_error_and_projects_every_link(tmp_path):
                                  "64": 0.08, "128": 0.106, "256": 0.132}}}
     (tmp_path / "union.json").write_text(json.dumps(union))
     args = argparse.Namespace(link="1gbit", results=str(tmp_path), model="vgg-1024", batch=8,
-                              ratio=0.01, union=str(tmp_path / "union.json"))
+                              ratio=0.01, union=str(tmp_path / "union.json"), out=str(tmp_path))
     text = step_model.report(records, args)
     assert "Largest error: 0%" in text
     for gbit in step_model.PROJECT_LINKS_GBIT:
         for w in step_model.PROJECT_WORKERS:
             row = re.search(rf"^\| {gbit} \| {w} \| (\d+) \| (.*) \| ([\w+ -]+) \|$", text, re.M)
             assert row and "-" not in row.group(2).split(" | ")[0], (gbit, w)
+    assert re.search(r"^\| 10 \| 256 \| ps-adtopk \| [\d.]+ \| \d+ \| \d+ \| \+\d+% \|$", text, re.M)
+    assert (tmp_path / "scale-model-1gbit.png").stat().st_size > 10_000
