@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the e2e benchmark's worker and runner)
 
+from adtopk_ps.testing import netns  # noqa: E402
 from adtopk_ps.testing.roles import role_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,12 +73,12 @@ def run_point(net: dict, w: int, s: int, system: str, args: argparse.Namespace) 
                                   device="cpu", overlap="off")
     result = e2e.run_system(net, base, args.model, run_args, env)
     return {**result, "workers": w, "servers": s, "system": system, "link": args.link,
-            "model": args.model, "batch": args.batch, "ratio": args.ratio}
+            "model": args.model, "batch": args.batch, "ratio": args.ratio,
+            "shaper": netns.shaper(net["worker0"][0])}
 
 
 def measure(args: argparse.Namespace, results: Path) -> None:
     """Every point's missing trials, grouped by (W, S) so that one set of hosts serves each."""
-    from adtopk_ps.testing import netns
     why = netns.unavailable()
     if why:
         sys.exit(f"scale benchmark: {why}")

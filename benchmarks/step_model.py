@@ -3,13 +3,20 @@ runs, validated on every run, and projected to large clusters.
 
 A PS step without overlap is compute, compression, then communication:
 
-    step = compute + compress + push + answer + server + decode + fixed
+    step = compute + compress + max(push, answer) + server + decode + fixed
 
 * push: each worker sends its ``p`` bytes, a share ``p_j`` to server ``j``; server ``j``
   receives ``W p_j``, so the busier of the worker's and the busiest server's link sets it:
   ``max(p, W max_j p_j) / rate``.
 * answer: the same for what comes back, whose size ``a`` is the answers' width (the union of
-  the workers' selections): ``max(a, W max_j a_j) / rate``.
+  the workers' selections): ``max(a, W max_j a_j) / rate``. Pushes go into a server and
+  answers out of it, the two directions of its link, and a server answers each key as soon
+  as its pushes are in: with a step's several keys, the two overlap, and the longer one
+  sets the pace.
+* Where the links are shaped by tbf (kernels without netem), each direction of a link that
+  idled through compute and compression sends a bucket's worth ``F = min(burst, rate
+  (compute + compress))`` at once: every link term above, and the ring's, is less ``F``.
+  netem has no bucket but a delay (``hop``, one way).
 * server: the busiest server's CPU per byte it takes in and sends, ``sigma W max_j (p_j + a_j)``,
   and with ``BYTEPS_SERVER_COMPRESSOR`` its top-k over its share of the sparsified
   elements, ``rho N_j``.
@@ -50,6 +57,7 @@ WIRE_OVERHEAD = (1448 + 52 + 14) / 1448
 # bytes a sparse answer carries per element: a float32 value and an int32 position
 COO_BYTES = 8
 NETEM_HOP_S = 2 * 0.2e-3  # netns.hosts' links: 0.2 ms at the host's port and at the switch's
+TBF_BURST_BYTES = 256 << 10  # adtopk_ps.testing.netns's tbf bucket
 PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
 SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", "ps-adtopk+server-topk"]
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
@@ -84,6 +92,7 @@ class Run:
     width: float | None  # the answers' share of the sparsified tensors' elements
     params: int
     sparse_elements: int  # elements of the tensors the system sparsifies (DDP: none)
+    shaper: str  # how the links were shaped: "netem" or "tbf"
 
     @classmethod
     def of(cls, record: dict) -> "Run":
@@ -97,7 +106,7 @@ class Run:
                    max((pushed.get(s, 0) + pulled.get(s, 0) for s in servers), default=0.0),
                    max(pushed.values(), default=0.0), max(pulled.values(), default=0.0),
                    record.get("answer_density"), record["params"],
-                   round(record["params"] * (1 - dense_share)))
+                   round(record["params"] * (1 - dense_share)), record["shaper"])
 
 
 @dataclass(frozen=True)
@@ -111,21 +120,32 @@ class Constants:
 
 def ps_terms(r: Run, rate: float) -> tuple[float, list[float]]:
     """(what the model knows of a PS step, the coefficients of sigma, kappa, rho and tau)."""
-    w = r.workers
-    link = (max(r.push, w * r.push_max) + max(r.answer, w * r.answer_max)) / rate
+    w, free = r.workers, bucket(r, rate)
+    link = max(0.0, r.push - free, w * r.push_max - free,
+               r.answer - free, w * r.answer_max - free) / rate
     # the busiest server's share of the sparsified elements, taken as its share of the push
     resparsified = r.sparse_elements * r.push_max / r.push if resparsifies(r.system) else 0.0
-    return r.compute + r.compress + link + 2 * NETEM_HOP_S, [w * r.busiest, r.answer, resparsified, 1.0]
+    return r.compute + r.compress + link + 2 * hop(r), [w * r.busiest, r.answer, resparsified, 1.0]
+
+
+def bucket(r: Run, rate: float) -> float:
+    """Bytes a tbf-shaped link direction sends at once after idling through the compute."""
+    return min(TBF_BURST_BYTES, rate * (r.compute + r.compress)) if r.shaper == "tbf" else 0.0
+
+
+def hop(r: Run) -> float:
+    return NETEM_HOP_S if r.shaper == "netem" else 0.0
 
 
 def resparsifies(system: str) -> bool:
     return system.endswith("+server-topk")
 
 
-def ring_terms(r: Run, rate: float, hop: float) -> float:
+def ring_terms(r: Run, rate: float) -> float:
     """What the model knows of a DDP step (all but tau_ring)."""
     w = r.workers
-    return r.compute + 2 * (w - 1) / w * 4 * r.params / rate + 2 * (w - 1) * hop
+    sent = 2 * (w - 1) / w * 4 * r.params
+    return r.compute + max(0.0, sent - bucket(r, rate)) / rate + 2 * (w - 1) * hop(r)
 
 
 def fit(runs: list[Run], rate: float) -> Constants:
@@ -137,14 +157,14 @@ def fit(runs: list[Run], rate: float) -> Constants:
     a = np.array([coef for _, coef in rows])
     b = np.array([r.step - known for r, (known, _) in zip(ps, rows)])
     (sigma, kappa, rho, tau), _ = nnls(a, b)
-    ring = [r.step - ring_terms(r, rate, NETEM_HOP_S) for r in runs
+    ring = [r.step - ring_terms(r, rate) for r in runs
             if r.system == "ddp-dense" and r.workers == 2]
     return Constants(sigma, kappa, rho, tau, max(0.0, statistics.mean(ring)) if ring else 0.0)
 
 
 def predict(r: Run, c: Constants, rate: float) -> float:
     if r.system == "ddp-dense":
-        return ring_terms(r, rate, NETEM_HOP_S) + c.tau_ring
+        return ring_terms(r, rate) + c.tau_ring
     known, (busy, answer, resparsified, one) = ps_terms(r, rate)
     return known + c.sigma * busy + c.kappa * answer + c.rho * resparsified + c.tau * one
 
@@ -198,7 +218,7 @@ def answer_bytes(p: Profile, width: float) -> float:
 
 def project_ps(p: Profile, c: Constants, w: int, s: int, rate: float, width: float) -> float:
     a = answer_bytes(p, width)
-    link = (max(p.push, w * p.push / s) + max(a, w * a / s)) / rate
+    link = max(p.push, w * p.push / s, a, w * a / s) / rate
     resparsified = p.sparse_elements / s if resparsifies(p.system) else 0.0
     return p.compute + p.compress + link + c.sigma * w * (p.push + a) / s + c.kappa * a + \
         c.rho * resparsified + c.tau + 2 * PROJECTED_HOP_S

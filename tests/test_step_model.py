@@ -22,14 +22,14 @@ PARAMS = 1_000_000
 DENSE_SHARE = 0.01
 
 
-def record(system: str, w: int, s: int, width: float, truth, rate: float) -> dict:
+def record(system: str, w: int, s: int, width: float, truth, rate: float, shaper: str = "netem") -> dict:
     """A run whose step is what the model says for ``truth``'s constants."""
     push = 80_000.0
     sparse = round(PARAMS * (1 - DENSE_SHARE))
     answer = 40_000 + step_model.COO_BYTES * width * sparse
     servers = {str(j): 1 / s for j in range(s)}
     rec = {"system": system, "workers": w, "servers": s, "compute_s": 0.02 * (1 + w / 8),
-           "compress_s": 0.005, "params": PARAMS, "step_s": 0.0}
+           "compress_s": 0.005, "params": PARAMS, "step_s": 0.0, "shaper": shaper}
     if system != "ddp-dense":
         rec.update(pushed_per_step={j: push * f for j, f in servers.items()},
                    pulled_per_step={j: answer * f for j, f in servers.items()},
@@ -38,12 +38,13 @@ def record(system: str, w: int, s: int, width: float, truth, rate: float) -> dic
     return rec
 
 
-def synthetic(truth, rate: float) -> list[dict]:
+def synthetic(truth, rate: float, shaper: str = "netem") -> list[dict]:
     widths = {"ps-topk": {2: 0.019, 4: 0.03, 8: 0.047}, "ps-adtopk": {2: 0.012, 4: 0.02, 8: 0.03},
               "ps-adtopk+server-topk": {2: 0.01, 4: 0.01, 8: 0.01}}
-    out = [record("ddp-dense", w, 1, 0, truth, rate) for w in (2, 4, 8)]
+    out = [record("ddp-dense", w, 1, 0, truth, rate, shaper) for w in (2, 4, 8)]
     for system, by_w in widths.items():
-        out += [record(system, w, s, width, truth, rate) for w, width in by_w.items() for s in (1, 2, 4)]
+        out += [record(system, w, s, width, truth, rate, shaper) for w, width in by_w.items()
+                for s in (1, 2, 4)]
     return out
 
 
@@ -52,13 +53,28 @@ constants = st.builds(step_model.Constants, sigma=st.floats(0, 5e-9), kappa=st.f
 
 
 @settings(max_examples=40, deadline=None)
-@given(truth=constants)
-def test_the_fit_on_w2_predicts_every_run_that_the_same_constants_made(truth):
-    rate = step_model.rate_of("1gbit")
-    runs = [step_model.Run.of(r) for r in synthetic(truth, rate)]
+@given(truth=constants, shaper=st.sampled_from(["netem", "tbf"]), link=st.sampled_from(["100mbit", "1gbit"]))
+def test_the_fit_on_w2_predicts_every_run_that_the_same_constants_made(truth, shaper, link):
+    rate = step_model.rate_of(link)
+    runs = [step_model.Run.of(r) for r in synthetic(truth, rate, shaper)]
     fitted = step_model.fit(runs, rate)
     for run in runs:  # W=4 and 8 were not in the fit
         assert step_model.predict(run, fitted, rate) == pytest.approx(run.step, rel=1e-6)
+
+
+def test_pushes_and_answers_overlap_and_a_tbf_bucket_sends_its_burst_at_once():
+    rate = step_model.rate_of("100mbit")
+    nothing = step_model.Constants(0.0, 0.0, 0.0, 0.0, 0.0)
+    rec = record("ps-adtopk", 4, 1, 0.02, nothing, rate, "netem")
+    run = step_model.Run.of(rec)
+    # four workers into one server: its link in (4 x 80 kB) and out (4 answers) overlap
+    answer = 40_000 + 8 * 0.02 * round(PARAMS * (1 - DENSE_SHARE))
+    link = max(4 * 80_000, 4 * answer) / rate
+    assert run.step == pytest.approx(run.compute + run.compress + link + 2 * step_model.NETEM_HOP_S)
+    tbf = step_model.Run.of({**rec, "shaper": "tbf"})
+    free = min(step_model.TBF_BURST_BYTES, rate * (run.compute + run.compress))
+    assert step_model.predict(tbf, nothing, rate) == pytest.approx(
+        run.compute + run.compress + (4 * answer - free) / rate)
 
 
 def test_a_rate_is_the_links_less_its_headers():

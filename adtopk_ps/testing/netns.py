@@ -76,16 +76,31 @@ def loopback(names: Sequence[str]) -> Iterator[dict[str, tuple[None, str]]]:
     yield {name: (None, "127.0.0.1") for name in names}
 
 
+# tbf's bucket: what a link idle long enough sends at once, before the rate holds it
+TBF_BURST_BYTES = 256 << 10
+
+
 def shape(ns: str, dev: str, rate: str, delay: str) -> None:
-    """netem (rate and delay) on what ``dev`` sends where the kernel has it, else tbf (rate only)."""
+    """netem (rate and delay) on what ``dev`` sends where the kernel has it, else tbf (rate only,
+    with a bucket of TBF_BURST_BYTES)."""
     tc = ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root"]
     netem = subprocess.run(tc + ["netem", "delay", delay, "rate", rate], capture_output=True,
                            text=True, timeout=30)
     if netem.returncode != 0:
         if "unknown" not in netem.stderr:
             raise RuntimeError(f"tc netem failed: {netem.stderr.strip()}")
-        subprocess.run(tc + ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"], check=True,
-                       timeout=30)
+        subprocess.run(tc + ["tbf", "rate", rate, "burst", f"{TBF_BURST_BYTES}b", "latency", "50ms"],
+                       check=True, timeout=30)
+
+
+def shaper(ns: str, dev: str = "eth0") -> str:
+    """Which shaping :func:`shape` put on ``dev`` of host ``ns``: "netem" or "tbf"."""
+    shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                           capture_output=True, text=True, timeout=30, check=True).stdout
+    for kind in ("netem", "tbf"):
+        if f"qdisc {kind} " in shown:
+            return kind
+    raise RuntimeError(f"{ns} {dev}: no netem or tbf qdisc ({shown.strip()!r})")
 
 
 def run_in(ns: str | None, argv: Sequence[str], env: Mapping[str, str], **popen) -> subprocess.Popen:
