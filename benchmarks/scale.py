@@ -3,9 +3,11 @@ W = 2, 4 and 8 workers and S = 1, 2 and 4 servers on shaped links, a model of th
 (benchmarks/step_model.py) validated against every measured point, and its projection to
 16-256 workers on 1-100 Gbit/s links.
 
-    sudo python benchmarks/scale.py                  # run what is missing, then report
+    sudo python benchmarks/scale.py --link 100mbit   # run what is missing, then report
     sudo python benchmarks/scale.py --link 1gbit     # the same on faster links
     sudo python benchmarks/scale.py --report         # the model and the report only
+
+The model is fit on the W=2 runs of every link stored, and the report covers them all.
 
 Every role is a host of its own (a network namespace; adtopk_ps/testing/netns.py), every
 link shaped to --link by tc. Each point is one run of the e2e benchmark's worker
@@ -74,7 +76,7 @@ def run_point(net: dict, w: int, s: int, system: str, args: argparse.Namespace) 
     result = e2e.run_system(net, base, args.model, run_args, env)
     return {**result, "workers": w, "servers": s, "system": system, "link": args.link,
             "model": args.model, "batch": args.batch, "ratio": args.ratio,
-            "shaper": netns.shaper(net["worker0"][0])}
+            "shaper": netns.shaper(net["worker0"][0]), "cores": os.cpu_count()}
 
 
 def measure(args: argparse.Namespace, results: Path) -> None:
@@ -105,10 +107,6 @@ def measure(args: argparse.Namespace, results: Path) -> None:
                       f"compute {1000 * record['compute_s']:.0f} ms", flush=True)
 
 
-def load(results: Path, link: str) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(results.glob(f"{link}-W*.json"))]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
@@ -131,12 +129,12 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted
     if not args.report:
         measure(args, results)
-    runs = load(results, args.link)
+    runs = [json.loads(p.read_text()) for p in sorted(results.glob("*-W*.json"))]
     if not runs:
-        sys.exit(f"scale benchmark: no runs stored in {results} for {args.link}")
+        sys.exit(f"scale benchmark: no runs stored in {results}")
     import step_model
     text = step_model.report(runs, args)
-    (Path(args.out) / f"scale-model-{args.link}.md").write_text(text + "\n")
+    (Path(args.out) / "scale-model.md").write_text(text + "\n")
     print(text)
 
 

@@ -93,6 +93,8 @@ class Run:
     params: int
     sparse_elements: int  # elements of the tensors the system sparsifies (DDP: none)
     shaper: str  # how the links were shaped: "netem" or "tbf"
+    link: str  # their tc rate
+    cores: int  # the measuring machine's
 
     @classmethod
     def of(cls, record: dict) -> "Run":
@@ -106,7 +108,12 @@ class Run:
                    max((pushed.get(s, 0) + pulled.get(s, 0) for s in servers), default=0.0),
                    max(pushed.values(), default=0.0), max(pulled.values(), default=0.0),
                    record.get("answer_density"), record["params"],
-                   round(record["params"] * (1 - dense_share)), record["shaper"])
+                   round(record["params"] * (1 - dense_share)), record["shaper"], record["link"],
+                   record["cores"])
+
+    @property
+    def rate(self) -> float:
+        return rate_of(self.link)
 
 
 @dataclass(frozen=True)
@@ -118,9 +125,9 @@ class Constants:
     tau_ring: float  # the same for a DDP step
 
 
-def ps_terms(r: Run, rate: float) -> tuple[float, list[float]]:
+def ps_terms(r: Run) -> tuple[float, list[float]]:
     """(what the model knows of a PS step, the coefficients of sigma, kappa, rho and tau)."""
-    w, free = r.workers, bucket(r, rate)
+    w, free, rate = r.workers, bucket(r), r.rate
     link = max(0.0, r.push - free, w * r.push_max - free,
                r.answer - free, w * r.answer_max - free) / rate
     # the busiest server's share of the sparsified elements, taken as its share of the push
@@ -128,9 +135,9 @@ def ps_terms(r: Run, rate: float) -> tuple[float, list[float]]:
     return r.compute + r.compress + link + 2 * hop(r), [w * r.busiest, r.answer, resparsified, 1.0]
 
 
-def bucket(r: Run, rate: float) -> float:
+def bucket(r: Run) -> float:
     """Bytes a tbf-shaped link direction sends at once after idling through the compute."""
-    return min(TBF_BURST_BYTES, rate * (r.compute + r.compress)) if r.shaper == "tbf" else 0.0
+    return min(TBF_BURST_BYTES, r.rate * (r.compute + r.compress)) if r.shaper == "tbf" else 0.0
 
 
 def hop(r: Run) -> float:
@@ -141,31 +148,32 @@ def resparsifies(system: str) -> bool:
     return system.endswith("+server-topk")
 
 
-def ring_terms(r: Run, rate: float) -> float:
+def ring_terms(r: Run) -> float:
     """What the model knows of a DDP step (all but tau_ring)."""
     w = r.workers
     sent = 2 * (w - 1) / w * 4 * r.params
-    return r.compute + max(0.0, sent - bucket(r, rate)) / rate + 2 * (w - 1) * hop(r)
+    return r.compute + max(0.0, sent - bucket(r)) / r.rate + 2 * (w - 1) * hop(r)
 
 
-def fit(runs: list[Run], rate: float) -> Constants:
-    """sigma, kappa, rho and tau by non-negative least squares on the W=2 PS runs; tau_ring
-    as the W=2 DDP runs' mean residual."""
+def fit(runs: list[Run]) -> Constants:
+    """sigma, kappa, rho and tau by non-negative least squares on the W=2 PS runs (of every
+    link: the faster ones show the CPU's costs, the slower ones the links'); tau_ring as the
+    W=2 DDP runs' mean residual."""
     from scipy.optimize import nnls
     ps = [r for r in runs if r.system != "ddp-dense" and r.workers == 2]
-    rows = [ps_terms(r, rate) for r in ps]
+    rows = [ps_terms(r) for r in ps]
     a = np.array([coef for _, coef in rows])
     b = np.array([r.step - known for r, (known, _) in zip(ps, rows)])
     (sigma, kappa, rho, tau), _ = nnls(a, b)
-    ring = [r.step - ring_terms(r, rate) for r in runs
+    ring = [r.step - ring_terms(r) for r in runs
             if r.system == "ddp-dense" and r.workers == 2]
     return Constants(sigma, kappa, rho, tau, max(0.0, statistics.mean(ring)) if ring else 0.0)
 
 
-def predict(r: Run, c: Constants, rate: float) -> float:
+def predict(r: Run, c: Constants) -> float:
     if r.system == "ddp-dense":
-        return ring_terms(r, rate) + c.tau_ring
-    known, (busy, answer, resparsified, one) = ps_terms(r, rate)
+        return ring_terms(r) + c.tau_ring
+    known, (busy, answer, resparsified, one) = ps_terms(r)
     return known + c.sigma * busy + c.kappa * answer + c.rho * resparsified + c.tau * one
 
 
@@ -246,43 +254,54 @@ def spread(values: list[float]) -> str:
 
 def report(records: list[dict], args: argparse.Namespace) -> str:
     runs = [Run.of(r) for r in records]
-    rate = rate_of(args.link)
-    c = fit(runs, rate)
+    c = fit(runs)
     params = runs[0].params
+    links = sorted({r.link for r in runs}, key=rate_of)
     lines = ["# Scale: the step model, measured and projected", "",
-             f"Made by `sudo python benchmarks/scale.py` ({len(runs)} runs stored in "
+             f"Made by `sudo python benchmarks/scale.py --link L` for L = {', '.join(links)}, then "
+             f"`python benchmarks/scale.py --report` ({len(runs)} runs stored in "
              f"`{Path(args.results).name}`; {args.model}, {params / 1e6:.1f} M parameters, batch "
-             f"{args.batch} per worker, density {args.ratio}, links {args.link}). The model is "
+             f"{args.batch} per worker, density {args.ratio}). The model is "
              "benchmarks/step_model.py's. Times in ms: mean over the trials (lowest-highest).", "",
              "## Measured against the model", "",
-             f"Fit on the W=2 runs: server {c.sigma * 1e9:.2f} ns per byte, worker "
+             f"Fit on the W=2 runs of every link: server {c.sigma * 1e9:.2f} ns per byte, worker "
              f"{c.kappa * 1e9:.2f} ns per byte of answer, server re-sparsification "
              f"{c.rho * 1e9:.2f} ns per element, {1000 * c.tau:.2f} ms per PS step, "
-             f"{1000 * c.tau_ring:.2f} ms per DDP step.", "",
-             "| W | S | system | step | model | error | compute | compress | push MB | answer MB "
-             "| answer width | busiest server MB in+out |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    worst = 0.0
-    keys = sorted({(r.workers, r.servers, r.system) for r in runs})
-    for w, s, system in keys:
+             f"{1000 * c.tau_ring:.2f} ms per DDP step. \"per core\": the run's processes "
+             "(workers, servers and the scheduler) over the measuring machine's cores.", ""]
+    for link in links:
+        lines += validation(link, [r for r in runs if r.link == link], c)
+    lines += projection(runs, c, args)
+    return "\n".join(lines)
+
+
+def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
+    """The measured points of one link against the model, and how many it has within 15%."""
+    lines = [f"### Links of {link} ({runs[0].shaper})", "",
+             "| W | S | per core | system | step | model | error | compute | compress | push MB "
+             "| answer MB | answer width | busiest server MB in+out |",
+             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    errors = []
+    for w, s, system in sorted({(r.workers, r.servers, r.system) for r in runs}):
         mine = [r for r in runs if (r.workers, r.servers, r.system) == (w, s, system)]
         steps = [r.step for r in mine]
-        model = statistics.mean(predict(r, c, rate) for r in mine)
+        model = statistics.mean(predict(r, c) for r in mine)
         error = model / statistics.mean(steps) - 1
-        worst = max(worst, abs(error))
+        errors.append(error)
         sparse = system != "ddp-dense"
+        processes = w + (s + 1 if sparse else 0)
         lines.append(
-            f"| {w} | {s if sparse else '-'} | {system} | {spread(steps)} | {1000 * model:.0f} | "
-            f"{error:+.0%} | {spread([r.compute for r in mine])} | "
+            f"| {w} | {s if sparse else '-'} | {processes / mine[0].cores:.1f} | {system} | "
+            f"{spread(steps)} | {1000 * model:.0f} | {error:+.0%} | {spread([r.compute for r in mine])} | "
             + (f"{1000 * statistics.mean(r.compress for r in mine):.0f} | "
                f"{statistics.mean(r.push for r in mine) / 1e6:.3f} | "
                f"{statistics.mean(r.answer for r in mine) / 1e6:.3f} | "
                f"{statistics.mean(r.width for r in mine):.4f} | "
                f"{w * statistics.mean(r.busiest for r in mine) / 1e6:.2f} |" if sparse
                else "- | - | - | - | - |"))
-    lines += ["", f"Largest error: {worst:.0%} (the goal: within 15% at every point).", ""]
-    lines += projection(runs, c, args)
-    return "\n".join(lines)
+    within = sum(abs(e) <= 0.15 for e in errors)
+    worst = max(errors, key=abs)
+    return lines + ["", f"Within 15%: {within} of {len(errors)} points; the largest error {worst:+.0%}.", ""]
 
 
 def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
@@ -338,8 +357,8 @@ def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[
             narrow = project_ps(profiles[name], c, w, s, rate_of(f"{gbit}gbit"), profiles[name].widths[2])
             lines.append(f"| {gbit} | {w} | {name} | {width:.4f} | {1000 * step:.0f} | "
                          f"{1000 * narrow:.0f} | {step / narrow - 1:+.0%} |")
-    chart(found, systems, Path(args.out) / f"scale-model-{args.link}.png")
-    return lines + ["", f"![projected steps](scale-model-{args.link}.png)", ""]
+    chart(found, systems, Path(args.out) / "scale-model.png")
+    return lines + ["", "![projected steps](scale-model.png)", ""]
 
 
 def chart(found: dict, systems: list[str], path: Path) -> None:
