@@ -350,14 +350,15 @@ def test_scale_benchmark_measures_models_and_resumes(tmp_path):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "4 run(s) to go" in out.stdout
-    report = (tmp_path / "scale-model-1gbit.md").read_text()
+    report = (tmp_path / "scale-model.md").read_text()
     for system in ("ddp-dense", "ps-topk", "ps-adtopk", "ps-adtopk+server-topk"):
-        row = re.search(rf"^\| 2 \| [-\d]+ \| {re.escape(system)} \| (\d+) \([\d-]+\) \| (\d+) \| "
+        row = re.search(rf"^\| 2 \| [-\d]+ \| [\d.]+ \| {re.escape(system)} \| (\d+) \([\d-]+\) \| (\d+) \| "
                         r"([+-]\d+)% \|", report, re.M)
         assert row and int(row.group(1)) > 0 and int(row.group(2)) > 0, (system, report)
     record = json.loads((tmp_path / "runs" / "1gbit-W2-S1-ps-adtopk-t0.json").read_text())
     assert 0 < record["answer_density"] < 0.1 and record["pushed_per_step"]["0"] > 0
     # without a union curve the projection names what is missing beyond the W it ran
-    assert "| 1 | 16 | " in report
+    assert "| 1 | 16 | " in report and "Within 15%: " in report
+    assert record["shaper"] in ("netem", "tbf") and record["cores"] >= 1
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert again.returncode == 0 and "0 run(s) to go" in again.stdout, again.stdout[-2000:]
