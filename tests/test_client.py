@@ -249,7 +249,7 @@ def test_two_rounds_of_one_key_in_flight_are_answered_in_order():
         handles = [Handle(owner, f"round{r}", torch.zeros(3), 1, False) for r in range(2)]
         for r, h in enumerate(handles):
             engine._inflight.setdefault(7, deque()).append(
-                _Part(h, h.out, r, Dense(), f"round{r}#0"))
+                _Part(h, h.out, r, Dense(), f"round{r}#0", False))
         for r in range(2):
             answer = Payload("dense", (3,), torch.float32, torch.full((3,), float(r + 1)))
             engine._on_answer(0, wire.encode(wire.Op.RESULT, key=7, round=r, payload=answer))
