@@ -51,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from adtopk_ps.cluster.membership import DEFAULT_PARTITION_BYTES
+
 # bytes on the wire per byte of payload: a 1448-byte TCP segment (timestamps on) travels
 # with 52 bytes of TCP/IP header and 14 of Ethernet
 WIRE_OVERHEAD = (1448 + 52 + 14) / 1448
@@ -63,6 +65,7 @@ SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", "ps-adtopk+server-topk"]
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
 PROJECT_LINKS_GBIT = [1, 10, 25, 100]
 NEAR_BEST = 1.05  # "servers needed": the fewest within this of one server per worker
+FINER_PARTITION_BYTES = 256 << 10  # the projection's second key size (BYTEPS_PARTITION_BYTES)
 
 
 def rate_of(link: str) -> float:
@@ -95,6 +98,7 @@ class Run:
     shaper: str  # how the links were shaped: "netem" or "tbf"
     link: str  # their tc rate
     cores: int  # the measuring machine's
+    model: str  # benchmarks' MODELS name
 
     @classmethod
     def of(cls, record: dict) -> "Run":
@@ -109,7 +113,7 @@ class Run:
                    max(pushed.values(), default=0.0), max(pulled.values(), default=0.0),
                    record.get("answer_density"), record["params"],
                    round(record["params"] * (1 - dense_share)), record["shaper"], record["link"],
-                   record["cores"])
+                   record["cores"], record["model"])
 
     @property
     def rate(self) -> float:
@@ -158,15 +162,17 @@ def ring_terms(r: Run) -> float:
 def fit(runs: list[Run]) -> Constants:
     """sigma, kappa, rho and tau by non-negative least squares on the W=2 PS runs (of every
     link: the faster ones show the CPU's costs, the slower ones the links'); tau_ring as the
-    W=2 DDP runs' mean residual."""
+    mean residual of the W=2 DDP runs on the fastest link (on a slow one, a 1% error in the
+    rate alone outweighs it)."""
     from scipy.optimize import nnls
     ps = [r for r in runs if r.system != "ddp-dense" and r.workers == 2]
     rows = [ps_terms(r) for r in ps]
     a = np.array([coef for _, coef in rows])
     b = np.array([r.step - known for r, (known, _) in zip(ps, rows)])
     (sigma, kappa, rho, tau), _ = nnls(a, b)
-    ring = [r.step - ring_terms(r) for r in runs
-            if r.system == "ddp-dense" and r.workers == 2]
+    ddp = [r for r in runs if r.system == "ddp-dense" and r.workers == 2]
+    fastest = max((r.rate for r in ddp), default=None)
+    ring = [r.step - ring_terms(r) for r in ddp if r.rate == fastest]
     return Constants(sigma, kappa, rho, tau, max(0.0, statistics.mean(ring)) if ring else 0.0)
 
 
@@ -190,9 +196,28 @@ class Profile:
     answer_fixed: float  # answer bytes that are not the union's (dense tensors, headers)
     sparse_elements: int  # elements of the sparsified tensors
     widths: dict[int, float]  # W -> the answers' width, measured up to the largest W run
+    # the largest key's share of the sparsified elements: no server carries less, however
+    # many there are
+    floor: float
 
 
-def profile(runs: list[Run], system: str) -> Profile:
+def largest_key_share(model: str, partition_bytes: int) -> float:
+    """The largest key's share of a model's sparsified elements, as the client partitions its
+    tensors (benchmarks' MODELS, the e2e systems' partial-sparsification policy)."""
+    from adtopk_ps.cluster.membership import partition_rows
+    from adtopk_ps.compression import SparsificationPolicy
+    from adtopk_ps.testing.systems import MODELS
+    from worker.models import build
+    arch, spec, _ = MODELS[model]
+    net = build(arch, spec)
+    routes = SparsificationPolicy(0.01).plan(net.named_parameters())
+    keys = [length * (t.numel() // t.shape[0] if t.dim() >= 2 else 1)
+            for name, t in net.named_parameters() if not routes[name].dense
+            for _, length in partition_rows(tuple(t.shape), t.element_size(), partition_bytes)]
+    return max(keys) / sum(keys)
+
+
+def profile(runs: list[Run], system: str, floor: float) -> Profile:
     base = [r for r in runs if r.system == system and r.workers == 2 and r.servers == 1]
     mine = [r for r in runs if r.system == system]
     widths = {w: statistics.mean(r.width for r in mine if r.workers == w)
@@ -201,7 +226,7 @@ def profile(runs: list[Run], system: str) -> Profile:
     fixed = statistics.mean(r.answer - COO_BYTES * r.width * r.sparse_elements for r in mine)
     return Profile(system, statistics.mean(r.compute for r in base),
                    statistics.mean(r.compress for r in base), statistics.mean(r.push for r in base),
-                   max(0.0, fixed), mine[0].sparse_elements, widths)
+                   max(0.0, fixed), mine[0].sparse_elements, widths, floor)
 
 
 def width_at(p: Profile, w: int, growth: dict[int, float] | None, capped: float | None) -> float:
@@ -226,9 +251,10 @@ def answer_bytes(p: Profile, width: float) -> float:
 
 def project_ps(p: Profile, c: Constants, w: int, s: int, rate: float, width: float) -> float:
     a = answer_bytes(p, width)
-    link = max(p.push, w * p.push / s, a, w * a / s) / rate
-    resparsified = p.sparse_elements / s if resparsifies(p.system) else 0.0
-    return p.compute + p.compress + link + c.sigma * w * (p.push + a) / s + c.kappa * a + \
+    share = max(1 / s, p.floor)  # the busiest server's, with keys placed as evenly as they can be
+    link = max(p.push, w * p.push * share, a, w * a * share) / rate
+    resparsified = p.sparse_elements * share if resparsifies(p.system) else 0.0
+    return p.compute + p.compress + link + c.sigma * w * (p.push + a) * share + c.kappa * a + \
         c.rho * resparsified + c.tau + 2 * PROJECTED_HOP_S
 
 
@@ -304,22 +330,34 @@ def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
     return lines + ["", f"Within 15%: {within} of {len(errors)} points; the largest error {worst:+.0%}.", ""]
 
 
+def profiles_of(runs: list[Run]) -> dict[str, Profile]:
+    """The projected systems: each sparse system measured, its keys the client's default
+    partitions, and ps-adtopk again with FINER_PARTITION_BYTES (no server carries less than
+    its largest key)."""
+    model = runs[0].model
+    default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
+    out = {s: profile(runs, s, default) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
+    if "ps-adtopk" in out:
+        finer = largest_key_share(model, FINER_PARTITION_BYTES)
+        out[f"ps-adtopk, {FINER_PARTITION_BYTES >> 10} KiB keys"] = profile(runs, "ps-adtopk", finer)
+    return out
+
+
 def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
     """(Gbit/s, W) -> system -> (step, servers, answer width), for every system the runs
     allow (a sparse system with no union curve beyond the W it ran, only up to there)."""
     growth = load_growth(Path(args.union), args.ratio) if Path(args.union).exists() else None
     params = runs[0].params
     compute = statistics.mean(r.compute for r in runs if r.workers == 2 and r.servers == 1)
-    profiles = {s: profile(runs, s) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
     out: dict = {}
     for gbit in PROJECT_LINKS_GBIT:
         rate = rate_of(f"{gbit}gbit")
         for w in PROJECT_WORKERS:
             row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
-            for name, p in profiles.items():
-                capped = args.ratio if resparsifies(name) else None
+            for name, p in profiles_of(runs).items():
+                capped = args.ratio if resparsifies(p.system) else None
                 try:
-                    width = width_at(p, w, growth[name.split("+")[0]] if growth else None, capped)
+                    width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None, capped)
                 except ValueError:
                     continue
                 s, step = servers_needed(p, c, w, rate, width)
@@ -329,12 +367,15 @@ def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
 
 def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
     found = projected(runs, c, args)
-    systems = [s for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)]
+    profiles = profiles_of(runs)
+    systems = list(profiles)
     lines = ["## Projected", "",
              f"Each role on a machine of its own, links of 1-100 Gbit/s, {PROJECTED_HOP_S * 1e6:.0f} µs "
              "one way per hop. Every PS system has the servers it needs (the fewest, in powers "
-             f"of two, within {NEAR_BEST - 1:.0%} of one server per worker; in brackets). "
-             "Step in ms, and against the ring all-reduce (DDP dense).", "",
+             f"of two, within {NEAR_BEST - 1:.0%} of one server per worker; in brackets), with its keys "
+             "placed as evenly as they go: no server carries less than the largest key "
+             f"({', '.join(f'{n}: {p.floor:.0%}' for n, p in profiles.items())} of the sparsified "
+             "elements). Step in ms, and against the ring all-reduce (DDP dense).", "",
              "| Gbit/s | W | ring all-reduce | " + " | ".join(systems) + " | fastest |",
              "|---:|---:|---:|" + "---:|" * len(systems) + "---|"]
     for (gbit, w), row in found.items():
@@ -348,13 +389,13 @@ def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[
               "as at W=2 (its servers as above).", "",
               "| Gbit/s | W | system | answer width | step | with W=2's width | growth costs |",
               "|---:|---:|---|---:|---:|---:|---:|"]
-    profiles = {s: profile(runs, s) for s in systems}
     for (gbit, w), row in found.items():
         for name in systems:
-            if name not in row or resparsifies(name):
+            p = profiles[name]
+            if name not in row or resparsifies(p.system) or 2 not in p.widths:
                 continue
             step, s, width = row[name]
-            narrow = project_ps(profiles[name], c, w, s, rate_of(f"{gbit}gbit"), profiles[name].widths[2])
+            narrow = project_ps(p, c, w, s, rate_of(f"{gbit}gbit"), p.widths[2])
             lines.append(f"| {gbit} | {w} | {name} | {width:.4f} | {1000 * step:.0f} | "
                          f"{1000 * narrow:.0f} | {step / narrow - 1:+.0%} |")
     chart(found, systems, Path(args.out) / "scale-model.png")

@@ -8,7 +8,8 @@ on real gradients without a cluster: one process trains the Fashion-MNIST CNN of
 configs/fashion-cnn.yaml (plain SGD) to a few points, and at each takes W gradients on W
 different batches, as W workers would push them, and selects with each compressor.
 
-Only the tensors the job sparsifies count (those of at least ``min_compress_bytes``). A
+Only the tensors the job sparsifies count (its partial-sparsification policy's: those of at
+least ``min_compress_bytes``, biases and norms aside). A
 fresh selection per gradient, without error feedback: the residuals a worker keeps add
 positions of their own, so with feedback the union is, if anything, wider.
 
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from adtopk_ps.compression import create
+from adtopk_ps.compression import SparsificationPolicy, create
 from worker.data import load
 from worker.models import build
 
@@ -62,8 +63,9 @@ def trained_gradients(config: Path, at: list[int], batches: int, seed: int
     torch.manual_seed(seed)
     data = load(cfg["dataset"], seed, cfg.get("dataset_args"))
     model = build(cfg["model"], cfg["model_args"])
-    names = [n for n, p in model.named_parameters()
-             if p.numel() * p.element_size() >= cfg["min_compress_bytes"]]
+    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
+    routes = policy.plan(model.named_parameters())
+    names = [n for n, _ in model.named_parameters() if not routes[n].dense]
     print(f"{cfg['model']} {cfg['model_args']} on {cfg['dataset']}: sparsified tensors "
           f"{', '.join(names)} ({sum(dict(model.named_parameters())[n].numel() for n in names)} "
           f"elements)", flush=True)

@@ -30,7 +30,7 @@ def record(system: str, w: int, s: int, width: float, truth, link: str, shaper: 
     servers = {str(j): 1 / s for j in range(s)}
     rec = {"system": system, "workers": w, "servers": s, "compute_s": 0.02 * (1 + w / 8),
            "compress_s": 0.005, "params": PARAMS, "step_s": 0.0, "shaper": shaper, "link": link,
-           "cores": 2}
+           "cores": 2, "model": "vgg-1024"}
     if system != "ddp-dense":
         rec.update(pushed_per_step={j: push * f for j, f in servers.items()},
                    pulled_per_step={j: answer * f for j, f in servers.items()},
@@ -86,7 +86,7 @@ def test_a_rate_is_the_links_less_its_headers():
 
 
 def test_an_answer_goes_dense_past_half_a_tensor_and_grows_along_the_union_curve():
-    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 80_000, 1_000, 1_000_000, {2: 0.01, 8: 0.03})
+    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 80_000, 1_000, 1_000_000, {2: 0.01, 8: 0.03}, 0.0)
     assert step_model.answer_bytes(p, 0.1) == 1_000 + 8 * 0.1 * 1_000_000
     assert step_model.answer_bytes(p, 0.6) == step_model.answer_bytes(p, 0.9) == 1_000 + 4_000_000
     growth = {2: 0.02, 8: 0.05, 64: 0.10}
@@ -99,11 +99,25 @@ def test_an_answer_goes_dense_past_half_a_tensor_and_grows_along_the_union_curve
 
 def test_more_workers_need_more_servers_on_a_slow_link_and_fewer_on_a_fast_one():
     c = step_model.Constants(0.0, 0.0, 0.0, 0.001, 0.001)
-    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 200_000, 10_000, 3_000_000, {2: 0.02})
+    p = step_model.Profile("ps-adtopk", 0.02, 0.005, 200_000, 10_000, 3_000_000, {2: 0.02}, 0.0)
     slow = [step_model.servers_needed(p, c, w, step_model.rate_of("1gbit"), 0.02)[0] for w in (16, 64, 256)]
     assert slow == sorted(slow) and slow[-1] > slow[0]
     fast = step_model.servers_needed(p, c, 256, step_model.rate_of("100gbit"), 0.02)[0]
     assert fast < slow[-1]
+    # a key holding a quarter of the elements: no server carries less, so past 4 servers
+    # more buy nothing
+    lumpy = step_model.Profile(*list(vars(p).values())[:-1], 0.25)
+    assert step_model.servers_needed(lumpy, c, 256, step_model.rate_of("1gbit"), 0.02)[0] == 4
+    assert step_model.project_ps(lumpy, c, 256, 256, step_model.rate_of("1gbit"), 0.02) > \
+        8 * step_model.project_ps(p, c, 256, 256, step_model.rate_of("1gbit"), 0.02)
+
+
+def test_the_largest_key_bounds_a_servers_share():
+    # vgg-1024's Linear(2048, 1024) splits into 4 MB keys of 500 rows: 1,024,000 of the
+    # 3,385,344 elements the policy sparsifies
+    share = step_model.largest_key_share("vgg-1024", 4_096_000)
+    assert share == pytest.approx(1_024_000 / 3_385_344, rel=0.01)
+    assert step_model.largest_key_share("vgg-1024", 256 << 10) < share / 10
 
 
 def test_the_report_names_its_worst_error_and_projects_every_link(tmp_path):
@@ -120,7 +134,7 @@ def test_the_report_names_its_worst_error_and_projects_every_link(tmp_path):
     assert len(re.findall(r"^Within 15%: 30 of 30 points; the largest error [+-]0%\.$", text, re.M)) == 2
     for gbit in step_model.PROJECT_LINKS_GBIT:
         for w in step_model.PROJECT_WORKERS:
-            row = re.search(rf"^\| {gbit} \| {w} \| (\d+) \| (.*) \| ([\w+ -]+) \|$", text, re.M)
+            row = re.search(rf"^\| {gbit} \| {w} \| (\d+) \| (.*) \| ([\w+ ,-]+) \|$", text, re.M)
             assert row and "-" not in row.group(2).split(" | ")[0], (gbit, w)
     assert re.search(r"^\| 10 \| 256 \| ps-adtopk \| [\d.]+ \| \d+ \| \d+ \| \+\d+% \|$", text, re.M)
     assert (tmp_path / "scale-model.png").stat().st_size > 10_000

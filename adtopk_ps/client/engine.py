@@ -466,7 +466,7 @@ class Engine:
                                  **flags, **wire.epoch_field(self.epoch))
             size = sum(memoryview(f).nbytes for f in frames)
             server = server_of(key, len(servers))
-            self.ledger.pushed(server, size)
+            self.ledger.add_push(server, size)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
             self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
@@ -475,7 +475,6 @@ class Engine:
         send(self._sockets[server], frames)
 
     def _on_answer(self, server: int, frames: list) -> None:
-        self.ledger.pulled(server, sum(memoryview(f).nbytes for f in frames))
         try:
             msg = wire.decode(frames)
         except wire.WireError as exc:
@@ -487,6 +486,7 @@ class Engine:
         self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
         if msg.op == Op.RECEIVED:
             return
+        self.ledger.add_answer_bytes(server, sum(memoryview(f).nbytes for f in frames))
         waiting = self._inflight.get(msg.key)
         part = waiting.popleft() if waiting else None
         if waiting is not None and not waiting:
@@ -503,7 +503,7 @@ class Engine:
                                f"of the wrong shape")
         handle, payload = part.handle, msg.payload
         if part.sparse:
-            self.ledger.answered(payload.count, payload.numel)
+            self.ledger.add_width(payload.count, payload.numel)
         flagged = msg.extra.get("nonfinite", [])
         if flagged and flagged[-1] >= self.size:
             raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "

@@ -27,6 +27,7 @@ class Tally:
 
     pushed: dict[int, int] = field(default_factory=dict)  # server -> bytes of pushes sent
     pulled: dict[int, int] = field(default_factory=dict)  # server -> bytes of answers received
+    # (answers only: a server's receipts and stall notices are not counted)
     answer_elements: int = 0  # values carried by the answers to sparse pushes (dense: all)
     answer_numel: int = 0  # elements of the tensors those answers stand for
 
@@ -59,15 +60,15 @@ class Ledger:
         self._pulled: dict[int, int] = {}
         self._answer_elements = self._answer_numel = 0
 
-    def pushed(self, server: int, size: int) -> None:
+    def add_push(self, server: int, size: int) -> None:
         with self._lock:
             self._pushed[server] = self._pushed.get(server, 0) + size
 
-    def pulled(self, server: int, size: int) -> None:
+    def add_answer_bytes(self, server: int, size: int) -> None:
         with self._lock:
             self._pulled[server] = self._pulled.get(server, 0) + size
 
-    def answered(self, carried: int, numel: int) -> None:
+    def add_width(self, carried: int, numel: int) -> None:
         """An answer to a sparse push: ``carried`` values (a dense answer carries them all)
         of a tensor of ``numel`` elements."""
         with self._lock:
