@@ -15,8 +15,9 @@ link shaped to --link by tc. Each point is one run of the e2e benchmark's worker
 which is what the model describes): every worker trains --model on a batch of its own
 (--batch), so the workers' selections differ as data-parallel workers' do. Systems: DDP
 dense (torch DDP on gloo, a ring all-reduce), ps-topk and ps-adtopk (partial sparsification,
-density --ratio, error feedback), and ps-adtopk with the servers re-sparsifying their answers
-to top-k at the same density (``BYTEPS_SERVER_COMPRESSOR``). Each run is stored in
+density --ratio, error feedback), ps-adtopk with the servers re-sparsifying their answers
+to top-k at the same density (``BYTEPS_SERVER_COMPRESSOR``), and ps-adtopk with keys of
+256 KiB (``BYTEPS_PARTITION_BYTES``), which spread over more servers. Each run is stored in
 --results as soon as it ends, and runs already there are skipped: stop it at any time and
 run it again to go on. A run's figures are worker 0's: its step, its forward + backward
 alone (timed in turns with the step, in the same rounds), its compression, its bytes to and
@@ -39,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the e2e benchmark's worker and runner)
+import step_model  # noqa: E402
 
 from adtopk_ps.testing import netns  # noqa: E402
 from adtopk_ps.testing.roles import role_names  # noqa: E402
@@ -48,19 +50,21 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {"ddp-dense": ("ddp-dense", {}),
            "ps-topk": ("ps-topk", {}),
            "ps-adtopk": ("ps-adtopk", {}),
-           "ps-adtopk+server-topk": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk"})}
+           "ps-adtopk+server-topk": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk"}),
+           step_model.FINE_KEYS: ("ps-adtopk", {"BYTEPS_PARTITION_BYTES": str(step_model.FINER_PARTITION_BYTES)})}
 
 
 def points(workers: list[int], servers: list[int]) -> list[tuple[int, int, str]]:
     """(W, S, system) in the order they run: DDP once per W (it has no servers), the server
-    compressor at S=1 (where the answers weigh most)."""
+    compressor at S=1 (where the answers weigh most), then ADTopk with finer keys at every
+    point (last: the study ran without it first)."""
     out = []
     for w in workers:
         out.append((w, servers[0], "ddp-dense"))
         for s in servers:
             out += [(w, s, "ps-topk"), (w, s, "ps-adtopk")]
         out.append((w, servers[0], "ps-adtopk+server-topk"))
-    return out
+    return out + [(w, s, step_model.FINE_KEYS) for w in workers for s in servers]
 
 
 def tag(link: str, w: int, s: int, system: str, trial: int) -> str:
@@ -132,7 +136,6 @@ def main() -> None:
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*-W*.json"))]
     if not runs:
         sys.exit(f"scale benchmark: no runs stored in {results}")
-    import step_model
     text = step_model.report(runs, args)
     (Path(args.out) / "scale-model.md").write_text(text + "\n")
     print(text)
