@@ -2,6 +2,7 @@
 made a set of steps, it predicts runs it was not fit on, answers turn dense past half a
 tensor, and a projection needs the servers the links say."""
 import argparse
+import dataclasses
 import importlib.util
 import json
 import re
@@ -106,7 +107,7 @@ def test_more_workers_need_more_servers_on_a_slow_link_and_fewer_on_a_fast_one()
     assert fast < slow[-1]
     # a key holding a quarter of the elements: no server carries less, so past 4 servers
     # more buy nothing
-    lumpy = step_model.Profile(*list(vars(p).values())[:-1], 0.25)
+    lumpy = dataclasses.replace(p, floor=0.25)
     assert step_model.servers_needed(lumpy, c, 256, step_model.rate_of("1gbit"), 0.02)[0] == 4
     assert step_model.project_ps(lumpy, c, 256, 256, step_model.rate_of("1gbit"), 0.02) > \
         8 * step_model.project_ps(p, c, 256, 256, step_model.rate_of("1gbit"), 0.02)
