@@ -43,13 +43,13 @@ from pathlib import Path
 import torch
 import yaml
 
-from adtopk_ps.compression import SparsificationPolicy, create
+from adtopk_ps.compression import create
 from adtopk_ps.deathsig import guarded
 from adtopk_ps.wire import payload_nbytes
 from worker.models import build
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from union_density import trained_gradients  # noqa: E402  (the real gradients it measures on)
+from union_density import sparsified, trained_gradients  # noqa: E402  (its real gradients)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,9 +104,8 @@ def real_gradients(task: str) -> list[dict[str, torch.Tensor]]:
 def sparsified_shapes(config: Path) -> list[tuple[int, ...]]:
     cfg = yaml.safe_load(config.read_text())
     model = build(cfg["model"], cfg.get("model_args", {}))
-    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
-    routes = policy.plan(model.named_parameters())
-    return [tuple(p.shape) for n, p in model.named_parameters() if not routes[n].dense]
+    params = dict(model.named_parameters())
+    return [tuple(params[n].shape) for n in sparsified(cfg, model)]
 
 
 def sparse_bytes(name: str, ratio: float, grads: list[dict[str, torch.Tensor]]) -> float:

@@ -218,8 +218,8 @@ class Traffic:
         tally = self.client.ledger.snapshot().since(self.tally)
         return {"compress_s": (self.client.compress_seconds - self.compress_s) / pushes,
                 "bytes_per_step": (self.moved() - self.bytes) / pushes,
-                "pushed_per_step": {s: n / pushes for s, n in tally.as_dict()["pushed"].items()},
-                "pulled_per_step": {s: n / pushes for s, n in tally.as_dict()["pulled"].items()},
+                "pushed_per_step": {str(s): n / pushes for s, n in tally.pushed.items()},
+                "pulled_per_step": {str(s): n / pushes for s, n in tally.pulled.items()},
                 "answer_density": tally.answer_density}
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import e2e  # noqa: E402  (the e2e benchmark's worker and runner)
 import step_model  # noqa: E402
+from convergence import store  # noqa: E402  (a run's record, whole or not at all)
 
 from adtopk_ps.testing import netns  # noqa: E402
 from adtopk_ps.testing.roles import role_names  # noqa: E402
@@ -103,10 +104,7 @@ def measure(args: argparse.Namespace, results: Path) -> None:
                 except (RuntimeError, OSError) as exc:
                     print(f"W={w} S={s} {system} trial {t} failed:\n{str(exc)[-3000:]}", flush=True)
                     continue
-                path = results / f"{tag(args.link, w, s, system, t)}.json"
-                partial = path.with_name(path.name + ".partial")
-                partial.write_text(json.dumps(record) + "\n")
-                os.replace(partial, path)
+                store(results / f"{tag(args.link, w, s, system, t)}.json", record)
                 print(f"W={w} S={s} {system} trial {t}: step {1000 * record['step_s']:.0f} ms, "
                       f"compute {1000 * record['compute_s']:.0f} ms", flush=True)
 

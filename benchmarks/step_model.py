@@ -356,7 +356,7 @@ def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
     return out
 
 
-def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
+def projected(runs: list[Run], c: Constants, profiles: dict[str, Profile], args: argparse.Namespace) -> dict:
     """(Gbit/s, W) -> system -> (step, servers, answer width), for every system the runs
     allow (a sparse system with no union curve beyond the W it ran, only up to there)."""
     growth = load_growth(Path(args.union), args.ratio) if Path(args.union).exists() else None
@@ -367,7 +367,7 @@ def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
         rate = rate_of(f"{gbit}gbit")
         for w in PROJECT_WORKERS:
             row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
-            for name, p in profiles_of(runs, c).items():
+            for name, p in profiles.items():
                 capped = args.ratio if resparsifies(p.system) else None
                 try:
                     width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None, capped)
@@ -379,8 +379,8 @@ def projected(runs: list[Run], c: Constants, args: argparse.Namespace) -> dict:
 
 
 def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
-    found = projected(runs, c, args)
     profiles = profiles_of(runs, c)
+    found = projected(runs, c, profiles, args)
     systems = list(profiles)
     lines = ["## Projected", "",
              f"Each role on a machine of its own, links of 1-100 Gbit/s, {PROJECTED_HOP_S * 1e6:.0f} µs "

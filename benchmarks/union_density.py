@@ -63,9 +63,7 @@ def trained_gradients(config: Path, at: list[int], batches: int, seed: int
     torch.manual_seed(seed)
     data = load(cfg["dataset"], seed, cfg.get("dataset_args"))
     model = build(cfg["model"], cfg["model_args"])
-    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
-    routes = policy.plan(model.named_parameters())
-    names = [n for n, _ in model.named_parameters() if not routes[n].dense]
+    names = sparsified(cfg, model)
     print(f"{cfg['model']} {cfg['model_args']} on {cfg['dataset']}: sparsified tensors "
           f"{', '.join(names)} ({sum(dict(model.named_parameters())[n].numel() for n in names)} "
           f"elements)", flush=True)
@@ -79,6 +77,14 @@ def trained_gradients(config: Path, at: list[int], batches: int, seed: int
             opt.step()
             done += 1
         yield point, gradients(model, data, batches, cfg["batch_size"], seed + point, names)
+
+
+def sparsified(cfg: dict, model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s tensors that the job of ``cfg`` sparsifies (its
+    partial-sparsification policy: biases, norms and small tensors travel dense)."""
+    policy = SparsificationPolicy(0.01, min_compress_bytes=cfg.get("min_compress_bytes", 65536))
+    routes = policy.plan(model.named_parameters())
+    return [n for n, _ in model.named_parameters() if not routes[n].dense]
 
 
 def loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
