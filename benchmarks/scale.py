@@ -84,8 +84,9 @@ def run_point(net: dict, w: int, s: int, system: str, args: argparse.Namespace) 
             "shaper": netns.shaper(net["worker0"][0]), "cores": os.cpu_count()}
 
 
-def measure(args: argparse.Namespace, results: Path) -> None:
-    """Every point's missing trials, grouped by (W, S) so that one set of hosts serves each."""
+def measure(args: argparse.Namespace, results: Path) -> int:
+    """Every point's missing trials, grouped by (W, S) so that one set of hosts serves each;
+    returns how many failed (each is said as it fails, and a later call runs it again)."""
     why = netns.unavailable()
     if why:
         sys.exit(f"scale benchmark: {why}")
@@ -94,6 +95,7 @@ def measure(args: argparse.Namespace, results: Path) -> None:
             if not (results / f"{tag(args.link, w, s, system, t)}.json").exists()]
     print(f"{len(todo)} run(s) to go", flush=True)
     groups: dict[tuple[int, int], list] = {}
+    failed = 0
     for w, s, system, t in todo:
         groups.setdefault((w, s), []).append((system, t))
     for (w, s), runs in groups.items():
@@ -103,10 +105,12 @@ def measure(args: argparse.Namespace, results: Path) -> None:
                     record = run_point(net, w, s, system, args)
                 except (RuntimeError, OSError) as exc:
                     print(f"W={w} S={s} {system} trial {t} failed:\n{str(exc)[-3000:]}", flush=True)
+                    failed += 1
                     continue
                 store(results / f"{tag(args.link, w, s, system, t)}.json", record)
                 print(f"W={w} S={s} {system} trial {t}: step {1000 * record['step_s']:.0f} ms, "
                       f"compute {1000 * record['compute_s']:.0f} ms", flush=True)
+    return failed
 
 
 def main() -> None:
@@ -129,14 +133,16 @@ def main() -> None:
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted
-    if not args.report:
-        measure(args, results)
+    failed = 0 if args.report else measure(args, results)
     runs = [json.loads(p.read_text()) for p in sorted(results.glob("*-W*.json"))]
     if not runs:
         sys.exit(f"scale benchmark: no runs stored in {results}")
     text = step_model.report(runs, args)
     (Path(args.out) / "scale-model.md").write_text(text + "\n")
     print(text)
+    if failed:
+        sys.exit(f"scale benchmark: {failed} run(s) failed (see above); the report leaves them "
+                 "out, and running the same command again runs them")
 
 
 if __name__ == "__main__":
