@@ -12,7 +12,10 @@ ADTopk's payloads leave out the rows that selected only zeros, which real gradie
 (units that gave no gradient) and random ones do not. ADTopk with refill
 (``adtopk+refill``) runs at the density itself: it gives the entries dead rows free to the
 live rows, so it sends about the density's bytes, more than plain ADTopk; its report line
-names what it pushed. Layers the policy keeps dense are the same in every run; dense
+names what it pushed. ADTopk with re-sparsified answers (``adtopk+server-topk``) pushes what
+plain ADTopk does, and the servers answer with the top-k of each key's sum at the density
+(``BYTEPS_SERVER_COMPRESSOR``, with the servers' error feedback) instead of the workers'
+union. Layers the policy keeps dense are the same in every run; dense
 training is the reference.
 
 Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
@@ -55,9 +58,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = {"fashion": ROOT / "configs" / "fashion-cnn.yaml",
          "pysource": ROOT / "configs" / "pysource-transformer.yaml"}
-MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill"]  # every seed, every density
+MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill", "adtopk+server-topk"]  # every seed, density
 # a method's job flags beyond --compressor
 FLAGS = {"adtopk+refill": ["--set", "compression.refill=true"]}
+# a method's environment for every role, {density} filled in
+ENV = {"adtopk+server-topk": {"BYTEPS_SERVER_COMPRESSOR": "topk:{density}"}}
+# methods that run at the density itself rather than at a density matched to ADTopk's bytes
+AT_DENSITY = ("adtopk", "adtopk+refill", "adtopk+server-topk")
 # training steps at which the matching takes its real gradients, and how many at each
 MATCH_AT, MATCH_BATCHES = [0, 300, 1500], 4
 OTHERS = ["threshold", "randomk", "dgc", "gaussiank"]  # the first seed, the first density
@@ -120,8 +127,8 @@ def sparse_bytes(name: str, ratio: float, grads: list[dict[str, torch.Tensor]]) 
 
 def matching_ratio(name: str, density: float, grads: list[dict[str, torch.Tensor]]) -> float:
     """The density at which ``name``'s payloads weigh what ADTopk's do at ``density`` on
-    ``grads``; ADTopk, and ADTopk with refill, run at ``density`` itself."""
-    if name in ("adtopk", "adtopk+refill"):
+    ``grads``; ADTopk itself, with refill or with re-sparsified answers, runs at ``density``."""
+    if name in AT_DENSITY:
         return density
     target = sparse_bytes("adtopk", density, grads)
     lo, hi = math.log(1e-5), 0.0
@@ -149,8 +156,10 @@ def execute(run: Run, ratio: float | None, args: argparse.Namespace, results: Pa
         cmd += ["--set", f"device={args.device}"]
     for item in args.set:
         cmd += ["--set", item]
+    env = {**os.environ, **{k: v.format(density=run.density) for k, v in ENV.get(run.compressor, {}).items()}}
     began = time.time()
-    out = subprocess.run(guarded(cmd), capture_output=True, text=True, timeout=args.run_timeout + 60, cwd=ROOT)
+    out = subprocess.run(guarded(cmd), capture_output=True, text=True, timeout=args.run_timeout + 60,
+                         cwd=ROOT, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{run.tag} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
     record = {"task": run.task, "compressor": run.compressor, "density": run.density,
@@ -249,16 +258,17 @@ def table(task: str, density: float, by_method: dict[str, list[dict]]) -> list[s
     what = "test accuracy (%)" if higher_is_better(task) else "test loss (bits per byte)"
     lines = [f"### {task}, density {density:g}: {what}", "",
              "| method | seeds | ratio used | final: mean ± sd [min, max] | best: mean ± sd "
-             "| MiB pushed per worker | wall s |", "|---|---:|---:|---|---|---:|---:|"]
+             "| MiB pushed per worker | MiB pulled | wall s |", "|---|---:|---:|---|---|---:|---:|---:|"]
     for method, runs in by_method.items():
         final = spread([final_of(task, r) for r in runs])
         best = spread([best_of(task, r) for r in runs])
         ratio = "-" if runs[0]["ratio"] is None else f"{runs[0]['ratio']:.5f}"
         mib = statistics.mean(r["summary"]["bytes_pushed"] for r in runs) / 2**20
+        pulled = statistics.mean(r["summary"]["bytes_pulled"] for r in runs) / 2**20
         wall = statistics.mean(r["summary"]["wall_s"] for r in runs)
         lines.append(f"| {method} | {len(runs)} | {ratio} | {final[0]:.3f} ± {final[1]:.3f} "
                      f"[{final[2]:.3f}, {final[3]:.3f}] | {best[0]:.3f} ± {best[1]:.3f} "
-                     f"| {mib:.1f} | {wall:.0f} |")
+                     f"| {mib:.1f} | {pulled:.1f} | {wall:.0f} |")
     return lines + [""]
 
 
@@ -267,7 +277,8 @@ def verdicts(task: str, density: float, by_method: dict[str, list[dict]]) -> lis
     the difference in means (Welch) excludes zero."""
     finals = {m: [final_of(task, r) for r in runs] for m, runs in by_method.items()}
     pairs = [(m, "dense") for m in finals if m != "dense"] + \
-        [("adtopk", "topk"), ("adtopk-i", "topk"), ("adtopk+refill", "adtopk")]
+        [("adtopk", "topk"), ("adtopk-i", "topk"), ("adtopk+refill", "adtopk"),
+         ("adtopk+server-topk", "adtopk")]
     higher = higher_is_better(task)
     lines = []
     for a, b in pairs:

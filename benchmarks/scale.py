@@ -47,11 +47,11 @@ from adtopk_ps.testing import netns  # noqa: E402
 from adtopk_ps.testing.roles import role_names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# scale's name -> (the e2e system it runs, the servers' environment)
+# scale's name -> (the e2e system it runs, the roles' environment, {ratio} filled in)
 SYSTEMS = {"ddp-dense": ("ddp-dense", {}),
            "ps-topk": ("ps-topk", {}),
            "ps-adtopk": ("ps-adtopk", {}),
-           "ps-adtopk+server-topk": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk"}),
+           "ps-adtopk+server-topk": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk:{ratio}"}),
            step_model.FINE_KEYS: ("ps-adtopk", {"BYTEPS_PARTITION_BYTES": str(step_model.FINER_PARTITION_BYTES)})}
 
 
@@ -78,6 +78,7 @@ def run_point(net: dict, w: int, s: int, system: str, args: argparse.Namespace) 
     run_args = argparse.Namespace(servers=s, workers=w, batch=args.batch, steps=args.steps,
                                   warmup=args.warmup, ratio=args.ratio, credit=0, paired=False,
                                   device="cpu", overlap="off")
+    env = {name: value.format(ratio=args.ratio) for name, value in env.items()}
     result = e2e.run_system(net, base, args.model, run_args, env)
     return {**result, "workers": w, "servers": s, "system": system, "link": args.link,
             "model": args.model, "batch": args.batch, "ratio": args.ratio,

@@ -3,7 +3,10 @@
 Dense pushes add into a preallocated buffer; sparse ones ``scatter_add_`` into
 it in place, with no dense expansion per push. The answer to the round is
 whichever encoding of the sum is smaller: the sparse union or the dense
-tensor, or (optionally) a top-k re-sparsification with a server residual.
+tensor, or (optionally) a top-k re-sparsification with a server residual, as
+wide as a fixed density or as the round's pushes were on average. The union
+grows with the number of workers (every worker pulls all of it); an answer as
+wide as one push does not.
 
 A dense first push that arrived over the wire becomes the round's buffer
 itself (its memory is the received frame's), so dense keys cost no copy.
@@ -159,9 +162,13 @@ class Aggregator:
     """All keys of one server."""
 
     def __init__(self, num_workers: int, resparsify: Compressor | None = None,
-                 max_keys: int = 1 << 20, max_bytes: int = 1 << 34):
+                 max_keys: int = 1 << 20, max_bytes: int = 1 << 34, match_pushes: bool = False):
+        """``resparsify``: the compressor that re-sparsifies sparse keys' answers (with a
+        residual kept here), at its own density, or with ``match_pushes`` as wide as the
+        round's pushes were on average: the density the workers chose, whatever it is."""
         self.num_workers = num_workers
         self.resparsify = ErrorFeedback(resparsify) if resparsify is not None else None
+        self.match_pushes = match_pushes
         self.max_keys, self.max_bytes = max_keys, max_bytes
         self.keys: dict[int, KeyState] = {}
         self.bytes_held = 0
@@ -226,7 +233,10 @@ class Aggregator:
         touched, state.touched = state.touched, None
         comp = self.resparsify
         if comp is not None and state.sparse and comp.accepts(aggregate):
-            answer = comp.compress(aggregate, f"key{key}", round)
+            width = None  # the compressor's own density
+            if self.match_pushes:  # the pushes' mean count (+ 0.5: the selection floors it back)
+                width = min(1.0, (state.union_bound // self.num_workers + 0.5) / aggregate.numel())
+            answer = comp.compress(aggregate, f"key{key}", round, width)
             if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
                 comp.forget([f"key{key}"])
             return answer

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import zmq
@@ -47,14 +48,29 @@ class ServerLimits:
         )
 
 
-def resparsifier_from_env() -> Compressor | None:
-    """``BYTEPS_SERVER_COMPRESSOR`` (e.g. ``topk`` or ``adtopk:0.01``) re-sparsifies answers."""
+class Resparsifier(NamedTuple):
+    """How a server re-sparsifies sparse keys' answers: with ``compressor``, at its own
+    density, or (``match_pushes``) as wide as each round's pushes were on average."""
+
+    compressor: Compressor
+    match_pushes: bool
+
+
+def resparsifier_from_env() -> Resparsifier | None:
+    """``BYTEPS_SERVER_COMPRESSOR`` re-sparsifies answers: ``topk:0.01`` at that density,
+    ``topk`` alone as wide as the workers' pushes (whatever density they chose)."""
     spec = os.environ.get("BYTEPS_SERVER_COMPRESSOR", "").strip()
     if not spec:
         return None
-    name, _, ratio = spec.partition(":")
+    name, colon, ratio = spec.partition(":")
     try:
-        return create(name, **({"ratio": float(ratio)} if ratio else {}))
+        if not colon:
+            return Resparsifier(create(name), True)
+        try:
+            density = float(ratio)
+        except ValueError:
+            raise ValueError(f"the density after ':' must be a number, got {ratio!r}") from None
+        return Resparsifier(create(name, ratio=density), False)
     except ValueError as exc:
         raise ValueError(f"environment variable BYTEPS_SERVER_COMPRESSOR={spec!r}: {exc}") from None
 
@@ -62,7 +78,8 @@ def resparsifier_from_env() -> Compressor | None:
 class Server:
     """The server process: receives pushes, aggregates them per key, answers each round to every worker."""
 
-    def __init__(self, config: ClusterConfig, limits: ServerLimits, resparsify=None,
+    def __init__(self, config: ClusterConfig, limits: ServerLimits,
+                 resparsify: Resparsifier | None = None,
                  ctx: zmq.Context | None = None):
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
@@ -70,7 +87,7 @@ class Server:
         self.port = self.data.bind_to_random_port("tcp://*")
         self.link = SchedulerLink(self.ctx, config)
         self.resparsify = resparsify
-        self.aggregator = Aggregator(config.num_workers, resparsify, limits.max_keys, limits.max_bytes)
+        self.aggregator = self._aggregator(config.num_workers)
         self.waiting: dict[int, list[bytes]] = {}
         self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
         self.finished: set[int] = set()  # workers that said no push of theirs is left to come
@@ -85,6 +102,11 @@ class Server:
         # by PS_SERVER_MAX_BYTES, as the sums are)
         self.early: list[tuple[int, bytes, list]] = []
         self.early_bytes = 0
+
+    def _aggregator(self, workers: int) -> Aggregator:
+        how = self.resparsify
+        return Aggregator(workers, how and how.compressor, self.limits.max_keys, self.limits.max_bytes,
+                          match_pushes=bool(how and how.match_pushes))
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""
@@ -175,8 +197,7 @@ class Server:
                     "(epoch %d); %d round(s) in progress dropped", self.link.rank, self.started_as,
                     workers, epoch, len(self.waiting))
         self.epoch, self.workers = epoch, workers
-        self.aggregator = Aggregator(workers, self.resparsify, self.limits.max_keys,
-                                     self.limits.max_bytes)
+        self.aggregator = self._aggregator(workers)
         self.waiting, self.senders, self.finished, self.dead = {}, {}, set(), {}
         self.stalls = StallWatch.from_env()
         early, self.early, self.early_bytes = self.early, [], 0

@@ -92,6 +92,29 @@ def test_server_resparsification_keeps_a_residual():
     assert torch.equal(answer.decompress() + residual, total)
 
 
+@given(st.integers(1, 4), st.lists(st.sampled_from([0.02, 0.1, 0.3, 1.0]), min_size=4, max_size=4),
+       st.integers(1, 3))
+def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(workers, ratios, rounds):
+    """Re-sparsified to the pushes' width, an answer carries the mean push's count of entries,
+    whatever densities the workers chose (mixed here, dense among them), and what it leaves
+    out waits in the server's residual: over the rounds, answers plus residual are the sums."""
+    agg = Aggregator(workers, resparsify=create("topk"), match_pushes=True)
+    comps = [create("adtopk", ratio=r) if r < 1 else create("none") for r in ratios[:workers]]
+    total, answered = torch.zeros(12, 30), torch.zeros(12, 30)
+    for rnd in range(rounds):
+        counts, answer = [], None
+        for w in range(workers):
+            p = comps[w].compress(_ints((12, 30), 10 * rnd + w), "t")
+            counts.append(p.count)
+            total += p.decompress()
+            answer = agg.push(3, rnd, w, p)
+        if agg.keys[3].sparse:
+            assert answer.codec == "coo" and answer.count == max(1, sum(counts) // workers)
+        answered += answer.decompress()
+    residual = agg.resparsify.memory.residuals.get("key3", torch.zeros(12, 30))
+    assert torch.equal(answered + residual, total)
+
+
 def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
     dense = create("none")
     agg = Aggregator(1, max_keys=2)
@@ -107,11 +130,16 @@ def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
 def test_server_compressor_comes_from_the_environment(monkeypatch):
     from server.service import resparsifier_from_env
     monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "topk:0.05")
-    comp = resparsifier_from_env()
-    assert comp.name == "topk" and comp.ratio == 0.05
-    monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "zstd")
-    with pytest.raises(ValueError, match="BYTEPS_SERVER_COMPRESSOR='zstd': unknown compressor"):
-        resparsifier_from_env()
+    comp, matched = resparsifier_from_env()
+    assert comp.name == "topk" and comp.ratio == 0.05 and not matched
+    monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", " topk ")  # no density: as wide as the pushes
+    comp, matched = resparsifier_from_env()
+    assert comp.name == "topk" and matched
+    for spec, complaint in (("zstd", "unknown compressor"), ("topk:lots", "must be a number"),
+                            ("topk:0", r"in \(0, 1\]"), ("topk:", "must be a number")):
+        monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)
+        with pytest.raises(ValueError, match=f"BYTEPS_SERVER_COMPRESSOR='{spec}': .*{complaint}"):
+            resparsifier_from_env()
     monkeypatch.delenv("BYTEPS_SERVER_COMPRESSOR")
     assert resparsifier_from_env() is None
 

@@ -276,18 +276,22 @@ def test_tens_of_thousands_of_keys_to_one_server_in_one_burst():
             c.shutdown()
 
 
-def test_the_ledger_counts_bytes_per_server_and_the_answers_width():
-    """Two workers' top-k selections overlap by half: the answer carries their union (150 of
-    20,000), the dense push counts for bytes only, and the servers' shares add up."""
+@pytest.mark.parametrize("server_compressor, width", [("", 150), ("topk", 100), ("topk:0.001", 20)])
+def test_the_ledger_counts_bytes_per_server_and_the_answers_width(server_compressor, width):
+    """Two workers' top-k selections (100 of 20,000 each) overlap by half: the answer carries
+    their union (150), or re-sparsified by the servers as wide as a push (100) or at the
+    density they were given (20); the dense push counts for bytes only, and the servers'
+    shares add up."""
     out = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
-                    sys.executable, str(PROGRAMS / "ledger_check.py"), timeout=120)
+                    sys.executable, str(PROGRAMS / "ledger_check.py"), timeout=120,
+                    env={"BYTEPS_SERVER_COMPRESSOR": server_compressor})
     assert out.returncode == 0, out.stdout
     tallies = [json.loads(line.split("tally ", 1)[1]) for line in out.stdout.splitlines()
                if "tally " in line]
     assert len(tallies) == 2, out.stdout
     for t in tallies:
-        assert t["answer_elements"] == 150 and t["answer_numel"] == 20000
-        assert t["answer_density"] == 150 / 20000
+        assert t["answer_elements"] == width and t["answer_numel"] == 20000
+        assert t["answer_density"] == width / 20000
         assert sum(t["pushed"].values()) == t["bytes_pushed"] > 3000 * 4
         assert sum(t["pulled"].values()) == t["bytes_pulled"] > 3000 * 4
         assert set(t["pushed"]) == set(t["pulled"]) <= {"0", "1"}
