@@ -12,10 +12,10 @@ ADTopk's payloads leave out the rows that selected only zeros, which real gradie
 (units that gave no gradient) and random ones do not. ADTopk with refill
 (``adtopk+refill``) runs at the density itself: it gives the entries dead rows free to the
 live rows, so it sends about the density's bytes, more than plain ADTopk; its report line
-names what it pushed. ADTopk with re-sparsified answers (``adtopk+server-topk``) pushes what
-plain ADTopk does, and the servers answer with the top-k of each key's sum at the density
-(``BYTEPS_SERVER_COMPRESSOR``, with the servers' error feedback) instead of the workers'
-union. Layers the policy keeps dense are the same in every run; dense
+names what it pushed. ADTopk with re-sparsified answers pushes what plain ADTopk does, and
+the servers answer with the top-k of each key's sum (``BYTEPS_SERVER_COMPRESSOR``, with the
+servers' error feedback) instead of the workers' union: at the density
+(``adtopk+server-topk``) or twice as wide as the workers' pushes (``adtopk+server-2x``). Layers the policy keeps dense are the same in every run; dense
 training is the reference.
 
 Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
@@ -58,13 +58,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TASKS = {"fashion": ROOT / "configs" / "fashion-cnn.yaml",
          "pysource": ROOT / "configs" / "pysource-transformer.yaml"}
-MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill", "adtopk+server-topk"]  # every seed, density
+# every seed, every density
+MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill", "adtopk+server-topk", "adtopk+server-2x"]
 # a method's job flags beyond --compressor
 FLAGS = {"adtopk+refill": ["--set", "compression.refill=true"]}
 # a method's environment for every role, {density} filled in
-ENV = {"adtopk+server-topk": {"BYTEPS_SERVER_COMPRESSOR": "topk:{density}"}}
+ENV = {"adtopk+server-topk": {"BYTEPS_SERVER_COMPRESSOR": "topk:{density}"},
+       "adtopk+server-2x": {"BYTEPS_SERVER_COMPRESSOR": "topk:2x"}}
 # methods that run at the density itself rather than at a density matched to ADTopk's bytes
-AT_DENSITY = ("adtopk", "adtopk+refill", "adtopk+server-topk")
+AT_DENSITY = ("adtopk", "adtopk+refill", "adtopk+server-topk", "adtopk+server-2x")
 # training steps at which the matching takes its real gradients, and how many at each
 MATCH_AT, MATCH_BATCHES = [0, 300, 1500], 4
 OTHERS = ["threshold", "randomk", "dgc", "gaussiank"]  # the first seed, the first density
@@ -156,7 +158,8 @@ def execute(run: Run, ratio: float | None, args: argparse.Namespace, results: Pa
         cmd += ["--set", f"device={args.device}"]
     for item in args.set:
         cmd += ["--set", item]
-    env = {**os.environ, **{k: v.format(density=run.density) for k, v in ENV.get(run.compressor, {}).items()}}
+    env = {**os.environ,
+           **{k: v.format(density=run.density) for k, v in ENV.get(run.compressor, {}).items()}}
     began = time.time()
     out = subprocess.run(guarded(cmd), capture_output=True, text=True, timeout=args.run_timeout + 60,
                          cwd=ROOT, env=env)
@@ -278,7 +281,7 @@ def verdicts(task: str, density: float, by_method: dict[str, list[dict]]) -> lis
     finals = {m: [final_of(task, r) for r in runs] for m, runs in by_method.items()}
     pairs = [(m, "dense") for m in finals if m != "dense"] + \
         [("adtopk", "topk"), ("adtopk-i", "topk"), ("adtopk+refill", "adtopk"),
-         ("adtopk+server-topk", "adtopk")]
+         ("adtopk+server-topk", "adtopk"), ("adtopk+server-2x", "adtopk")]
     higher = higher_is_better(task)
     lines = []
     for a, b in pairs:

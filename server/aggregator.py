@@ -162,13 +162,17 @@ class Aggregator:
     """All keys of one server."""
 
     def __init__(self, num_workers: int, resparsify: Compressor | None = None,
-                 max_keys: int = 1 << 20, max_bytes: int = 1 << 34, match_pushes: bool = False):
+                 max_keys: int = 1 << 20, max_bytes: int = 1 << 34,
+                 pushes_wide: float | None = None):
         """``resparsify``: the compressor that re-sparsifies sparse keys' answers (with a
-        residual kept here), at its own density, or with ``match_pushes`` as wide as the
-        round's pushes were on average: the density the workers chose, whatever it is."""
+        residual kept here), at its own density, or with ``pushes_wide`` that many times as
+        wide as the round's pushes were on average: the density the workers chose, whatever
+        it is, however many workers there are."""
+        if pushes_wide is not None and not pushes_wide > 0:
+            raise ValueError(f"pushes_wide must be positive, got {pushes_wide!r}")
         self.num_workers = num_workers
         self.resparsify = ErrorFeedback(resparsify) if resparsify is not None else None
-        self.match_pushes = match_pushes
+        self.pushes_wide = pushes_wide
         self.max_keys, self.max_bytes = max_keys, max_bytes
         self.keys: dict[int, KeyState] = {}
         self.bytes_held = 0
@@ -234,8 +238,9 @@ class Aggregator:
         comp = self.resparsify
         if comp is not None and state.sparse and comp.accepts(aggregate):
             width = None  # the compressor's own density
-            if self.match_pushes:  # the pushes' mean count (+ 0.5: the selection floors it back)
-                width = min(1.0, (state.union_bound // self.num_workers + 0.5) / aggregate.numel())
+            if self.pushes_wide is not None:  # (+ 0.5: the selection floors it back)
+                wide = math.floor(self.pushes_wide * state.union_bound / self.num_workers)
+                width = min(1.0, (wide + 0.5) / aggregate.numel())
             answer = comp.compress(aggregate, f"key{key}", round, width)
             if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
                 comp.forget([f"key{key}"])

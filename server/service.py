@@ -8,6 +8,7 @@ answer.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -50,29 +51,39 @@ class ServerLimits:
 
 class Resparsifier(NamedTuple):
     """How a server re-sparsifies sparse keys' answers: with ``compressor``, at its own
-    density, or (``match_pushes``) as wide as each round's pushes were on average."""
+    density, or (``pushes_wide``) that many times as wide as each round's pushes were on
+    average."""
 
     compressor: Compressor
-    match_pushes: bool
+    pushes_wide: float | None
 
 
 def resparsifier_from_env() -> Resparsifier | None:
-    """``BYTEPS_SERVER_COMPRESSOR`` re-sparsifies answers: ``topk:0.01`` at that density,
-    ``topk`` alone as wide as the workers' pushes (whatever density they chose)."""
+    """``BYTEPS_SERVER_COMPRESSOR`` re-sparsifies sparse keys' answers: ``topk:0.01`` at that
+    density; ``topk:2x`` twice as wide as the workers' pushes (whatever density they chose),
+    so that an answer no longer grows with the number of workers; ``topk`` alone as ``topk:1x``."""
     spec = os.environ.get("BYTEPS_SERVER_COMPRESSOR", "").strip()
     if not spec:
         return None
-    name, colon, ratio = spec.partition(":")
+    name, colon, width = spec.partition(":")
     try:
-        if not colon:
-            return Resparsifier(create(name), True)
-        try:
-            density = float(ratio)
-        except ValueError:
-            raise ValueError(f"the density after ':' must be a number, got {ratio!r}") from None
-        return Resparsifier(create(name, ratio=density), False)
+        if not colon or width.endswith("x"):
+            times = number(width[:-1] if colon else "1", "the multiple of the pushes' width before 'x'")
+            if not 0 < times < math.inf:
+                raise ValueError(f"the multiple of the pushes' width must be a positive finite "
+                                 f"number, got {width!r}")
+            return Resparsifier(create(name), times)
+        return Resparsifier(create(name, ratio=number(width, "the density after ':'")), None)
     except ValueError as exc:
         raise ValueError(f"environment variable BYTEPS_SERVER_COMPRESSOR={spec!r}: {exc}") from None
+
+
+def number(text: str, what: str) -> float:
+    """``text`` as a float; anything else raises ``ValueError`` naming ``what``."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{what} must be a number, got {text!r}") from None
 
 
 class Server:
@@ -106,7 +117,7 @@ class Server:
     def _aggregator(self, workers: int) -> Aggregator:
         how = self.resparsify
         return Aggregator(workers, how and how.compressor, self.limits.max_keys, self.limits.max_bytes,
-                          match_pushes=bool(how and how.match_pushes))
+                          pushes_wide=how and how.pushes_wide)
 
     def run(self) -> int:
         """Register, serve until the scheduler says to stop (0) or a peer is lost (non-zero)."""

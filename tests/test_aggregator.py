@@ -93,12 +93,14 @@ def test_server_resparsification_keeps_a_residual():
 
 
 @given(st.integers(1, 4), st.lists(st.sampled_from([0.02, 0.1, 0.3, 1.0]), min_size=4, max_size=4),
-       st.integers(1, 3))
-def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(workers, ratios, rounds):
-    """Re-sparsified to the pushes' width, an answer carries the mean push's count of entries,
-    whatever densities the workers chose (mixed here, dense among them), and what it leaves
-    out waits in the server's residual: over the rounds, answers plus residual are the sums."""
-    agg = Aggregator(workers, resparsify=create("topk"), match_pushes=True)
+       st.integers(1, 3), st.sampled_from([1.0, 1.5, 2.0]))
+def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(workers, ratios,
+                                                                              rounds, times):
+    """Re-sparsified to ``times`` the pushes' width, an answer carries that many times the mean
+    push's count of entries, whatever densities the workers chose (mixed here, dense among
+    them), and what it leaves out waits in the server's residual: over the rounds, answers
+    plus residual are the sums."""
+    agg = Aggregator(workers, resparsify=create("topk"), pushes_wide=times)
     comps = [create("adtopk", ratio=r) if r < 1 else create("none") for r in ratios[:workers]]
     total, answered = torch.zeros(12, 30), torch.zeros(12, 30)
     for rnd in range(rounds):
@@ -109,7 +111,8 @@ def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(wo
             total += p.decompress()
             answer = agg.push(3, rnd, w, p)
         if agg.keys[3].sparse:
-            assert answer.codec == "coo" and answer.count == max(1, sum(counts) // workers)
+            wide = min(12 * 30, max(1, int(times * sum(counts) / workers)))
+            assert answer.codec == "coo" and answer.count == wide
         answered += answer.decompress()
     residual = agg.resparsify.memory.residuals.get("key3", torch.zeros(12, 30))
     assert torch.equal(answered + residual, total)
@@ -130,13 +133,17 @@ def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
 def test_server_compressor_comes_from_the_environment(monkeypatch):
     from server.service import resparsifier_from_env
     monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "topk:0.05")
-    comp, matched = resparsifier_from_env()
-    assert comp.name == "topk" and comp.ratio == 0.05 and not matched
-    monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", " topk ")  # no density: as wide as the pushes
-    comp, matched = resparsifier_from_env()
-    assert comp.name == "topk" and matched
-    for spec, complaint in (("zstd", "unknown compressor"), ("topk:lots", "must be a number"),
-                            ("topk:0", r"in \(0, 1\]"), ("topk:", "must be a number")):
+    comp, wide = resparsifier_from_env()
+    assert comp.name == "topk" and comp.ratio == 0.05 and wide is None
+    for spec, times in ((" topk ", 1.0), ("topk:2x", 2.0), ("topk:1.5x", 1.5)):  # the pushes' width
+        monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)
+        comp, wide = resparsifier_from_env()
+        assert comp.name == "topk" and wide == times
+    for spec, complaint in (("zstd", "unknown compressor"), ("topk:lots", "density .* must be a number"),
+                            ("topk:0", r"in \(0, 1\]"), ("topk:", "density .* must be a number"),
+                            ("topk:twox", "multiple .* must be a number"), ("topk:x", "must be a number"),
+                            ("topk:0x", "positive finite"), ("topk:-1x", "positive finite"),
+                            ("topk:nanx", "positive finite"), ("topk:infx", "positive finite")):
         monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)
         with pytest.raises(ValueError, match=f"BYTEPS_SERVER_COMPRESSOR='{spec}': .*{complaint}"):
             resparsifier_from_env()
