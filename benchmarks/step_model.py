@@ -41,7 +41,9 @@ fit, and what its W=2 runs take beyond the model is added to its projected steps
 grows the answer with W along the union measured on real gradients
 (``benchmarks/union_density.py --json``): the run's own width up to the largest W
 measured, then that curve's growth. Where the union passes half a tensor, the server sends
-it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer stays at the density's size.
+it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer stays at the density's size; with
+``topk:2x`` (projected only: the measured re-sparsification's costs) it grows as ADTopk's
+union does until it is twice the density, and stays there.
 """
 from __future__ import annotations
 
@@ -63,7 +65,11 @@ COO_BYTES = 8
 NETEM_HOP_S = 2 * 0.2e-3  # netns.hosts' links: 0.2 ms at the host's port and at the switch's
 TBF_BURST_BYTES = 256 << 10  # adtopk_ps.testing.netns's tbf bucket
 PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
-SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", "ps-adtopk+server-topk"]
+RESPARSIFIED = "ps-adtopk+server-topk"  # the servers' answers at the density (measured)
+# projected from RESPARSIFIED's costs and ps-adtopk's union: answers at most this many
+# times the density (BYTEPS_SERVER_COMPRESSOR=topk:2x), by their names
+CAPPED = {"ps-adtopk+server-topk": 1.0, "ps-adtopk+server-2x": 2.0}
+SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
 PROJECT_LINKS_GBIT = [1, 10, 25, 100]
 NEAR_BEST = 1.05  # "servers needed": the fewest within this of one server per worker
@@ -152,7 +158,7 @@ def hop(r: Run) -> float:
 
 
 def resparsifies(system: str) -> bool:
-    return system.endswith("+server-topk")
+    return system in CAPPED
 
 
 def ring_terms(r: Run) -> float:
@@ -239,9 +245,11 @@ def profile(runs: list[Run], system: str, floor: float) -> Profile:
 def width_at(p: Profile, w: int, growth: dict[int, float] | None, capped: float | None) -> float:
     """The answers' width at ``w`` workers: measured where run, else grown along ``growth``
     (W -> union on real gradients) from the largest W run; ``capped``: the server's
-    re-sparsification holds it at that density."""
-    if capped is not None:
+    re-sparsification holds it at that density at most."""
+    if capped is not None and p.system == RESPARSIFIED:  # its measured widths are the cap's
         return capped
+    if capped is not None:
+        return min(capped, width_at(p, w, growth, None))
     if w in p.widths:
         return p.widths[w]
     top = max(p.widths)
@@ -339,8 +347,8 @@ def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
 
 def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
     """The projected systems: each sparse system measured, its keys the client's default
-    partitions, and ps-adtopk again with FINER_PARTITION_BYTES (no server carries less than
-    its largest key)."""
+    partitions, ps-adtopk again with FINER_PARTITION_BYTES (no server carries less than
+    its largest key), and answers re-sparsified to twice the density, which were not run."""
     model = runs[0].model
     default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
     out = {s: profile(runs, s, default) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
@@ -353,6 +361,9 @@ def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
         if held_out:
             fine = replace(fine, extra=statistics.mean(held_out))
         out[f"ps-adtopk, {FINER_PARTITION_BYTES >> 10} KiB keys"] = fine
+    if RESPARSIFIED in out and "ps-adtopk" in out:  # its costs, ps-adtopk's union up to the cap
+        wider = replace(out[RESPARSIFIED], system="ps-adtopk+server-2x", widths=out["ps-adtopk"].widths)
+        out[f"{wider.system} (projected)"] = wider
     return out
 
 
@@ -368,7 +379,7 @@ def projected(runs: list[Run], c: Constants, profiles: dict[str, Profile], args:
         for w in PROJECT_WORKERS:
             row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
             for name, p in profiles.items():
-                capped = args.ratio if resparsifies(p.system) else None
+                capped = args.ratio * CAPPED[p.system] if resparsifies(p.system) else None
                 try:
                     width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None, capped)
                 except ValueError:

@@ -94,6 +94,11 @@ def test_an_answer_goes_dense_past_half_a_tensor_and_grows_along_the_union_curve
     assert step_model.width_at(p, 8, growth, None) == 0.03  # measured: as measured
     assert step_model.width_at(p, 64, growth, None) == pytest.approx(0.06)  # 0.03 * 0.10 / 0.05
     assert step_model.width_at(p, 64, growth, 0.01) == 0.01  # the servers re-sparsify
+    wider = dataclasses.replace(p, system="ps-adtopk+server-2x")  # capped at twice 0.01 ...
+    assert step_model.width_at(wider, 2, growth, 0.02) == 0.01  # ... it is the union below that
+    assert step_model.width_at(wider, 8, growth, 0.02) == 0.02
+    measured = dataclasses.replace(p, system=step_model.RESPARSIFIED)  # its widths are the cap's
+    assert step_model.width_at(measured, 2, growth, 0.01) == 0.01
     with pytest.raises(ValueError, match="union_density.py --json"):
         step_model.width_at(p, 64, None, None)
 
