@@ -235,16 +235,21 @@ class Aggregator:
     def _answer(self, key: int, state: KeyState, round: int) -> Payload:
         aggregate, state.current = state.current, None
         touched, state.touched = state.touched, None
-        comp = self.resparsify
+        comp, name = self.resparsify, f"key{key}"
         if comp is not None and state.sparse and comp.accepts(aggregate):
             width = None  # the compressor's own density
-            if self.pushes_wide is not None:  # (+ 0.5: the selection floors it back)
+            if self.pushes_wide is not None:
                 wide = math.floor(self.pushes_wide * state.union_bound / self.num_workers)
-                width = min(1.0, (wide + 0.5) / aggregate.numel())
-            answer = comp.compress(aggregate, f"key{key}", round, width)
-            if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
-                comp.forget([f"key{key}"])
-            return answer
+                # a union no wider than that is answered whole (a selection would pad it with
+                # zeros), unless a residual of earlier rounds waits to go out with it
+                if wide >= state.union_bound and name not in comp.memory.residuals:
+                    comp = None
+                width = min(1.0, (wide + 0.5) / aggregate.numel())  # (+ 0.5: selection floors it)
+            if comp is not None:
+                answer = comp.compress(aggregate, name, round, width)
+                if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
+                    comp.forget([name])
+                return answer
         if touched is not None:
             return state.sparse_answer(aggregate, touched, round % 2)
         return smaller_encoding(aggregate, state.union_bound)

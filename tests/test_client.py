@@ -276,12 +276,13 @@ def test_tens_of_thousands_of_keys_to_one_server_in_one_burst():
             c.shutdown()
 
 
-@pytest.mark.parametrize("server_compressor, width", [("", 150), ("topk", 100), ("topk:0.001", 20)])
+@pytest.mark.parametrize("server_compressor, width",
+                         [("", 150), ("topk", 100), ("topk:2x", 150), ("topk:0.001", 20)])
 def test_the_ledger_counts_bytes_per_server_and_the_answers_width(server_compressor, width):
     """Two workers' top-k selections (100 of 20,000 each) overlap by half: the answer carries
-    their union (150), or re-sparsified by the servers as wide as a push (100) or at the
-    density they were given (20); the dense push counts for bytes only, and the servers'
-    shares add up."""
+    their union (150), or re-sparsified by the servers as wide as a push (100), no wider
+    than twice a push (the union: nothing to cut) or at the density they were given (20);
+    the dense push counts for bytes only, and the servers' shares add up."""
     out = bpslaunch("--local", "--num-workers", "2", "--num-servers", "2", "--",
                     sys.executable, str(PROGRAMS / "ledger_check.py"), timeout=120,
                     env={"BYTEPS_SERVER_COMPRESSOR": server_compressor})
