@@ -330,8 +330,10 @@ def chart(task: str, density: float, by_method: dict[str, list[dict]], path: Pat
 
 
 def report(records: list[dict], args: argparse.Namespace) -> str:
+    clusters = sorted({(r["settings"]["workers"], r["settings"]["servers"]) for r in records})
     lines = ["# Convergence at equal bytes", "",
-             f"Made by `python benchmarks/convergence.py` ({len(records)} runs stored in "
+             f"Made by `python benchmarks/convergence.py` ({len(records)} runs of "
+             f"{' and '.join(f'{w} workers x {s} servers' for w, s in clusters)} stored in "
              f"`{Path(args.results).relative_to(ROOT) if Path(args.results).is_relative_to(ROOT) else args.results}`). "
              "Final = at the last step; best = the best evaluation along the way. The band in each "
              "chart runs from the lowest to the highest seed.", ""]
@@ -376,6 +378,7 @@ def main() -> None:
     if args.report and not results.is_dir():
         ap.error(f"--results {results}: no such folder")
     results.mkdir(parents=True, exist_ok=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # (the report comes after hours of runs)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the run in flight is stopped
     if not args.report:
         runs = plan(args.tasks, args.densities, args.seeds, args.compressors)
