@@ -150,6 +150,20 @@ def smaller_encoding(aggregate: torch.Tensor, union_bound: int | None = None) ->
                    positions.to(index_dtype(flat.numel())))
 
 
+def tightened(answer: Payload, aggregate: torch.Tensor) -> Payload:
+    """A re-sparsified answer without the zeros a selection pads it with (where fewer entries
+    than it keeps are nonzero: pushes that overlap, say), or the dense tensor where that is no
+    larger. Either way it adds up to what was selected, so the residual stays right."""
+    if answer.codec != "coo":
+        return answer
+    live = answer.values != 0
+    if not bool(live.all()):
+        answer = dataclasses.replace(answer, values=answer.values[live], indices=answer.indices[live])
+    if dense_is_smaller(answer.count, aggregate.view(-1)):
+        return Payload("dense", answer.shape, answer.dtype, answer.decompress().view(-1))
+    return answer
+
+
 def in_dtype(answer: Payload, wire: torch.dtype | None) -> Payload:
     """The answer's values in the dtype every push of the round travelled in (a cast such as
     fp16 halves the answer too); the sum itself was kept in the key's dtype."""
@@ -236,17 +250,18 @@ class Aggregator:
         aggregate, state.current = state.current, None
         touched, state.touched = state.touched, None
         comp, name = self.resparsify, f"key{key}"
-        if comp is not None and state.sparse and comp.accepts(aggregate):
+        if comp is not None and state.sparse and aggregate.numel() and comp.accepts(aggregate):
             width = None  # the compressor's own density
             if self.pushes_wide is not None:
                 wide = math.floor(self.pushes_wide * state.union_bound / self.num_workers)
-                # a union no wider than that is answered whole (a selection would pad it with
-                # zeros), unless a residual of earlier rounds waits to go out with it
+                # pushes that together are no wider go out as their sum, at the union's
+                # cost, unless an earlier round's residual waits to go out with them
                 if wide >= state.union_bound and name not in comp.memory.residuals:
                     comp = None
-                width = min(1.0, (wide + 0.5) / aggregate.numel())  # (+ 0.5: selection floors it)
+                else:
+                    width = min(1.0, (wide + 0.5) / aggregate.numel())  # (+ 0.5: selection floors it)
             if comp is not None:
-                answer = comp.compress(aggregate, name, round, width)
+                answer = tightened(comp.compress(aggregate, name, round, width), aggregate)
                 if state.flagged:  # the residual must not keep a NaN or an infinity for later rounds
                     comp.forget([name])
                 return answer

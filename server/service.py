@@ -49,6 +49,11 @@ class ServerLimits:
         )
 
 
+#: the compressors that keep a width in pushes: their selection is exactly as many entries as
+#: asked (ADTopk keeps some in every row, a threshold as many as pass it)
+COUNTED = ("topk", "randomk")
+
+
 class Resparsifier(NamedTuple):
     """How a server re-sparsifies sparse keys' answers: with ``compressor``, at its own
     density, or (``pushes_wide``) that many times as wide as each round's pushes were on
@@ -67,13 +72,21 @@ def resparsifier_from_env() -> Resparsifier | None:
         return None
     name, colon, width = spec.partition(":")
     try:
-        if not colon or width.endswith("x"):
+        if not colon or width.lower().endswith("x"):
+            compressor = create(name)
+            if name not in COUNTED:
+                raise ValueError(f"a width in pushes ('2x', or none) needs a compressor that keeps "
+                                 f"exactly the entries it is asked for: one of {list(COUNTED)}")
             times = number(width[:-1] if colon else "1", "the multiple of the pushes' width before 'x'")
             if not 0 < times < math.inf:
                 raise ValueError(f"the multiple of the pushes' width must be a positive finite "
                                  f"number, got {width!r}")
-            return Resparsifier(create(name), times)
-        return Resparsifier(create(name, ratio=number(width, "the density after ':'")), None)
+            return Resparsifier(compressor, times)
+        density = number(width, "the density after ':'")
+        if density > 1:
+            raise ValueError(f"the density after ':' must be in (0, 1], got {width!r} (a multiple "
+                             f"of the pushes' width is written {width}x)")
+        return Resparsifier(create(name, ratio=density), None)
     except ValueError as exc:
         raise ValueError(f"environment variable BYTEPS_SERVER_COMPRESSOR={spec!r}: {exc}") from None
 

@@ -93,34 +93,48 @@ def test_server_resparsification_keeps_a_residual():
 
 
 @given(st.integers(1, 4), st.lists(st.sampled_from([0.02, 0.1, 0.3, 1.0]), min_size=4, max_size=4),
-       st.integers(1, 3), st.sampled_from([1.0, 1.5, 2.0]))
+       st.integers(1, 3), st.sampled_from([1.0, 1.5, 2.0]), st.booleans())
 def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(workers, ratios,
-                                                                              rounds, times):
+                                                                              rounds, times, same):
     """Re-sparsified to ``times`` the pushes' width, an answer carries that many times the mean
     push's count of entries, whatever densities the workers chose (mixed here, dense among
-    them), and what it leaves out waits in the server's residual: over the rounds, answers
-    plus residual are the sums. Where the pushes together are no wider than that (one
-    worker, or two at twice a push), nothing is cut and the answer is the round's sum."""
+    them), and never a zero: where fewer are nonzero (pushes that overlap, ``same`` data on
+    every worker), it carries those. It goes dense where that is no larger. Pushes that
+    together are no wider go out as their sum. What an answer leaves out waits in the
+    server's residual: over the rounds, answers plus residual are the sums."""
     agg = Aggregator(workers, resparsify=create("topk"), pushes_wide=times)
     comps = [create("adtopk", ratio=r) if r < 1 else create("none") for r in ratios[:workers]]
     total, answered = torch.zeros(12, 30), torch.zeros(12, 30)
     for rnd in range(rounds):
         counts, answer, summed = [], None, torch.zeros(12, 30)
-        waiting = "key3" in agg.resparsify.memory.residuals
+        before = agg.resparsify.memory.residuals.get("key3")
         for w in range(workers):
-            p = comps[w].compress(_ints((12, 30), 10 * rnd + w), "t")
+            p = comps[w].compress(_ints((12, 30), 10 * rnd + (0 if same else w)), "t")
             counts.append(p.count)
             summed += p.decompress()
             answer = agg.push(3, rnd, w, p)
-        wide = int(times * sum(counts) / workers)
-        if agg.keys[3].sparse and (wide < sum(counts) or waiting):
-            assert answer.codec == "coo" and answer.count == min(12 * 30, max(1, wide))
-        else:
+        wide = max(1, int(times * sum(counts) / workers))
+        if not agg.keys[3].sparse or (wide >= sum(counts) and before is None):
             assert torch.equal(answer.decompress(), summed)
+        else:
+            live = int(torch.count_nonzero(summed + (0 if before is None else before)))
+            if answer.codec == "coo":
+                assert answer.count == min(wide, live) and bool((answer.values != 0).all())
+            else:  # dense only where as many (value, position) pairs would weigh as much
+                assert answer.codec == "dense" and min(wide, live) * (4 + 2) >= 12 * 30 * 4
         total += summed
         answered += answer.decompress()
     residual = agg.resparsify.memory.residuals.get("key3", torch.zeros(12, 30))
     assert torch.equal(answered + residual, total)
+
+
+def test_a_resparsifying_server_takes_an_empty_key_in_its_stride():
+    """A sparse key of no elements has nothing to select: its answer is empty, not an error
+    that would end the server."""
+    agg = Aggregator(2, resparsify=create("topk"), pushes_wide=2.0)
+    empty = Payload("coo", (0,), torch.float32, torch.empty(0), torch.empty(0, dtype=torch.int16))
+    assert agg.push(0, 0, 0, empty) is None
+    assert agg.push(0, 0, 1, empty).count == 0
 
 
 def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
@@ -140,15 +154,17 @@ def test_server_compressor_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", "topk:0.05")
     comp, wide = resparsifier_from_env()
     assert comp.name == "topk" and comp.ratio == 0.05 and wide is None
-    for spec, times in ((" topk ", 1.0), ("topk:2x", 2.0), ("topk:1.5x", 1.5)):  # the pushes' width
-        monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)
+    for spec, times in ((" topk ", 1.0), ("topk:2x", 2.0), ("topk:1.5X", 1.5), ("randomk:3x", 3.0)):
+        monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)  # a multiple of the pushes' width
         comp, wide = resparsifier_from_env()
-        assert comp.name == "topk" and wide == times
+        assert comp.name == spec.split(":")[0].strip() and wide == times
     for spec, complaint in (("zstd", "unknown compressor"), ("topk:lots", "density .* must be a number"),
                             ("topk:0", r"in \(0, 1\]"), ("topk:", "density .* must be a number"),
+                            ("topk:2", r"in \(0, 1\], got '2' \(a multiple .* is written 2x\)"),
                             ("topk:twox", "multiple .* must be a number"), ("topk:x", "must be a number"),
                             ("topk:0x", "positive finite"), ("topk:-1x", "positive finite"),
-                            ("topk:nanx", "positive finite"), ("topk:infx", "positive finite")):
+                            ("topk:nanx", "positive finite"), ("topk:infx", "positive finite"),
+                            ("adtopk:2x", "keeps exactly the entries"), ("threshold", "keeps exactly")):
         monkeypatch.setenv("BYTEPS_SERVER_COMPRESSOR", spec)
         with pytest.raises(ValueError, match=f"BYTEPS_SERVER_COMPRESSOR='{spec}': .*{complaint}"):
             resparsifier_from_env()
