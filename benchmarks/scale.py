@@ -16,8 +16,9 @@ which is what the model describes): every worker trains --model on a batch of it
 (--batch), so the workers' selections differ as data-parallel workers' do. Systems: DDP
 dense (torch DDP on gloo, a ring all-reduce), ps-topk and ps-adtopk (partial sparsification,
 density --ratio, error feedback), ps-adtopk with the servers re-sparsifying their answers
-to top-k at the same density (``BYTEPS_SERVER_COMPRESSOR``), and ps-adtopk with keys of
-256 KiB (``BYTEPS_PARTITION_BYTES``), which spread over more servers. Each run is stored in
+to top-k at the same density (``BYTEPS_SERVER_COMPRESSOR``) or at twice the pushes' width
+(``topk:2x``), and ps-adtopk with keys of 256 KiB (``BYTEPS_PARTITION_BYTES``), which spread
+over more servers. Each run is stored in
 --results as soon as it ends, and runs already there are skipped: stop it at any time and
 run it again to go on. A run's figures are worker 0's: its step, its forward + backward
 alone (timed in turns with the step, in the same rounds), its compression, its bytes to and
@@ -52,20 +53,23 @@ SYSTEMS = {"ddp-dense": ("ddp-dense", {}),
            "ps-topk": ("ps-topk", {}),
            "ps-adtopk": ("ps-adtopk", {}),
            "ps-adtopk+server-topk": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk:{ratio}"}),
+           "ps-adtopk+server-2x": ("ps-adtopk", {"BYTEPS_SERVER_COMPRESSOR": "topk:2x"}),
            step_model.FINE_KEYS: ("ps-adtopk", {"BYTEPS_PARTITION_BYTES": str(step_model.FINER_PARTITION_BYTES)})}
 
 
 def points(workers: list[int], servers: list[int]) -> list[tuple[int, int, str]]:
     """(W, S, system) in the order they run: DDP once per W (it has no servers), the server
     compressor at S=1 (where the answers weigh most), then ADTopk with finer keys at every
-    point (last: the study ran without it first)."""
+    point and answers at twice the pushes' width at S=1 (last: the study ran without them
+    first)."""
     out = []
     for w in workers:
         out.append((w, servers[0], "ddp-dense"))
         for s in servers:
             out += [(w, s, "ps-topk"), (w, s, "ps-adtopk")]
         out.append((w, servers[0], "ps-adtopk+server-topk"))
-    return out + [(w, s, step_model.FINE_KEYS) for w in workers for s in servers]
+    return out + [(w, s, step_model.FINE_KEYS) for w in workers for s in servers] + \
+        [(w, servers[0], "ps-adtopk+server-2x") for w in workers]
 
 
 def tag(link: str, w: int, s: int, system: str, trial: int) -> str:

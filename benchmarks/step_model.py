@@ -41,9 +41,10 @@ fit, and what its W=2 runs take beyond the model is added to its projected steps
 grows the answer with W along the union measured on real gradients
 (``benchmarks/union_density.py --json``): the run's own width up to the largest W
 measured, then that curve's growth. Where the union passes half a tensor, the server sends
-it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer stays at the density's size; with
-``topk:2x`` (projected only: the measured re-sparsification's costs) it grows as ADTopk's
-union does until it is twice the density, and stays there.
+it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer grows as ADTopk's union does up to
+the width the servers hold it to, as its runs show it at their largest W: the density
+(``topk:0.01``), or twice the pushes' width (``topk:2x``, which cuts nothing at W=2). Those
+runs are held out of the fit, as the finer keys' are, but for answers at the density.
 """
 from __future__ import annotations
 
@@ -65,11 +66,11 @@ COO_BYTES = 8
 NETEM_HOP_S = 2 * 0.2e-3  # netns.hosts' links: 0.2 ms at the host's port and at the switch's
 TBF_BURST_BYTES = 256 << 10  # adtopk_ps.testing.netns's tbf bucket
 PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
-RESPARSIFIED = "ps-adtopk+server-topk"  # the servers' answers at the density (measured)
-# projected from RESPARSIFIED's costs and ps-adtopk's union: answers at most this many
-# times the density (BYTEPS_SERVER_COMPRESSOR=topk:2x), by their names
-CAPPED = {"ps-adtopk+server-topk": 1.0, "ps-adtopk+server-2x": 2.0}
-SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]
+RESPARSIFIED = "ps-adtopk+server-topk"  # the servers' answers at the density
+WIDER = "ps-adtopk+server-2x"  # ... at twice the pushes' width
+# the servers' re-sparsified answers, in pushes: a width of n pushes cuts from W > n
+CAPPED = {RESPARSIFIED: 1.0, WIDER: 2.0}
+SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]  # the fit's, with DDP
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
 PROJECT_LINKS_GBIT = [1, 10, 25, 100]
 NEAR_BEST = 1.05  # "servers needed": the fewest within this of one server per worker
@@ -144,7 +145,7 @@ def ps_terms(r: Run) -> tuple[float, list[float]]:
     link = max(0.0, r.push - free, w * r.push_max - free,
                r.answer - free, w * r.answer_max - free) / rate
     # the busiest server's share of the sparsified elements, taken as its share of the push
-    resparsified = r.sparse_elements * r.push_max / r.push if resparsifies(r.system) else 0.0
+    resparsified = r.sparse_elements * r.push_max / r.push if resparsifies(r.system, w) else 0.0
     return r.compute + r.compress + link + 2 * hop(r), [w * r.busiest, r.answer, resparsified, 1.0]
 
 
@@ -157,8 +158,10 @@ def hop(r: Run) -> float:
     return NETEM_HOP_S if r.shaper == "netem" else 0.0
 
 
-def resparsifies(system: str) -> bool:
-    return system in CAPPED
+def resparsifies(system: str, workers: int) -> bool:
+    """Whether the servers re-sparsify the answers of ``workers``: a width of n pushes cuts
+    only where more than n push."""
+    return system in CAPPED and CAPPED[system] < workers
 
 
 def ring_terms(r: Run) -> float:
@@ -212,6 +215,8 @@ class Profile:
     # seconds per step beyond what the model fit on the default keys says (held-out runs,
     # such as finer keys: what their extra keys cost)
     extra: float = 0.0
+    # the width re-sparsifying servers hold the answers to (``widths`` is then the union)
+    cap: float | None = None
 
 
 def largest_key_share(model: str, partition_bytes: int) -> float:
@@ -242,14 +247,11 @@ def profile(runs: list[Run], system: str, floor: float) -> Profile:
                    max(0.0, fixed), mine[0].sparse_elements, widths, floor)
 
 
-def width_at(p: Profile, w: int, growth: dict[int, float] | None, capped: float | None) -> float:
+def width_at(p: Profile, w: int, growth: dict[int, float] | None) -> float:
     """The answers' width at ``w`` workers: measured where run, else grown along ``growth``
-    (W -> union on real gradients) from the largest W run; ``capped``: the server's
-    re-sparsification holds it at that density at most."""
-    if capped is not None and p.system == RESPARSIFIED:  # its measured widths are the cap's
-        return capped
-    if capped is not None:
-        return min(capped, width_at(p, w, growth, None))
+    (W -> union on real gradients) from the largest W run; no wider than ``p.cap``."""
+    if p.cap is not None:
+        return min(p.cap, width_at(replace(p, cap=None), w, growth))
     if w in p.widths:
         return p.widths[w]
     top = max(p.widths)
@@ -268,7 +270,7 @@ def project_ps(p: Profile, c: Constants, w: int, s: int, rate: float, width: flo
     a = answer_bytes(p, width)
     share = max(1 / s, p.floor)  # the busiest server's, with keys placed as evenly as they can be
     link = max(p.push, w * p.push * share, a, w * a * share) / rate
-    resparsified = p.sparse_elements * share if resparsifies(p.system) else 0.0
+    resparsified = p.sparse_elements * share if resparsifies(p.system, w) else 0.0
     return p.compute + p.compress + link + c.sigma * w * (p.push + a) * share + c.kappa * a + \
         c.rho * resparsified + c.tau + p.extra + 2 * PROJECTED_HOP_S
 
@@ -347,11 +349,16 @@ def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
 
 def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
     """The projected systems: each sparse system measured, its keys the client's default
-    partitions, ps-adtopk again with FINER_PARTITION_BYTES (no server carries less than
-    its largest key), and answers re-sparsified to twice the density, which were not run."""
+    partitions (re-sparsified answers held to the width their runs show at their largest W,
+    and below it as wide as ps-adtopk's union), and ps-adtopk again with
+    FINER_PARTITION_BYTES (no server carries less than its largest key)."""
     model = runs[0].model
     default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
-    out = {s: profile(runs, s, default) for s in SPARSE_SYSTEMS if any(r.system == s for r in runs)}
+    out = {s: profile(runs, s, default) for s in [*SPARSE_SYSTEMS, WIDER] if any(r.system == s for r in runs)}
+    for name in set(CAPPED) & set(out):
+        p = out[name]
+        union = out["ps-adtopk"].widths if "ps-adtopk" in out else p.widths
+        out[name] = replace(p, cap=p.widths[max(p.widths)], widths=union)
     finer = largest_key_share(model, FINER_PARTITION_BYTES)
     measured = FINE_KEYS if any(r.system == FINE_KEYS and r.workers == 2 and r.servers == 1
                                 for r in runs) else "ps-adtopk"
@@ -361,9 +368,6 @@ def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
         if held_out:
             fine = replace(fine, extra=statistics.mean(held_out))
         out[f"ps-adtopk, {FINER_PARTITION_BYTES >> 10} KiB keys"] = fine
-    if RESPARSIFIED in out and "ps-adtopk" in out:  # its costs, ps-adtopk's union up to the cap
-        wider = replace(out[RESPARSIFIED], system="ps-adtopk+server-2x", widths=out["ps-adtopk"].widths)
-        out[f"{wider.system} (projected)"] = wider
     return out
 
 
@@ -379,9 +383,8 @@ def projected(runs: list[Run], c: Constants, profiles: dict[str, Profile], args:
         for w in PROJECT_WORKERS:
             row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
             for name, p in profiles.items():
-                capped = args.ratio * CAPPED[p.system] if resparsifies(p.system) else None
                 try:
-                    width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None, capped)
+                    width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None)
                 except ValueError:
                     continue
                 s, step = servers_needed(p, c, w, rate, width)
@@ -416,7 +419,7 @@ def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[
     for (gbit, w), row in found.items():
         for name in systems:
             p = profiles[name]
-            if name not in row or resparsifies(p.system) or 2 not in p.widths:
+            if name not in row or p.cap is not None or 2 not in p.widths:
                 continue
             step, s, width = row[name]
             narrow = project_ps(p, c, w, s, rate_of(f"{gbit}gbit"), p.widths[2])

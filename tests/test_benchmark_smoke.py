@@ -349,9 +349,10 @@ def test_scale_benchmark_measures_models_and_resumes(tmp_path):
            "--out", str(tmp_path), "--union", str(tmp_path / "none.json"), "--link", "1gbit"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "5 run(s) to go" in out.stdout
+    assert "6 run(s) to go" in out.stdout
     report = (tmp_path / "scale-model.md").read_text()
-    for system in ("ddp-dense", "ps-topk", "ps-adtopk", "ps-adtopk+server-topk", "ps-adtopk+256k-keys"):
+    for system in ("ddp-dense", "ps-topk", "ps-adtopk", "ps-adtopk+server-topk", "ps-adtopk+256k-keys",
+                   "ps-adtopk+server-2x"):
         row = re.search(rf"^\| 2 \| [-\d]+ \| [\d.]+ \| {re.escape(system)} \| (\d+) \([\d-]+\) \| (\d+) \| "
                         r"([+-]\d+)% \|", report, re.M)
         assert row and int(row.group(1)) > 0 and int(row.group(2)) > 0, (system, report)

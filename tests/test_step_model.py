@@ -91,16 +91,17 @@ def test_an_answer_goes_dense_past_half_a_tensor_and_grows_along_the_union_curve
     assert step_model.answer_bytes(p, 0.1) == 1_000 + 8 * 0.1 * 1_000_000
     assert step_model.answer_bytes(p, 0.6) == step_model.answer_bytes(p, 0.9) == 1_000 + 4_000_000
     growth = {2: 0.02, 8: 0.05, 64: 0.10}
-    assert step_model.width_at(p, 8, growth, None) == 0.03  # measured: as measured
-    assert step_model.width_at(p, 64, growth, None) == pytest.approx(0.06)  # 0.03 * 0.10 / 0.05
-    assert step_model.width_at(p, 64, growth, 0.01) == 0.01  # the servers re-sparsify
-    wider = dataclasses.replace(p, system="ps-adtopk+server-2x")  # capped at twice 0.01 ...
-    assert step_model.width_at(wider, 2, growth, 0.02) == 0.01  # ... it is the union below that
-    assert step_model.width_at(wider, 8, growth, 0.02) == 0.02
-    measured = dataclasses.replace(p, system=step_model.RESPARSIFIED)  # its widths are the cap's
-    assert step_model.width_at(measured, 2, growth, 0.01) == 0.01
+    assert step_model.width_at(p, 8, growth) == 0.03  # measured: as measured
+    assert step_model.width_at(p, 64, growth) == pytest.approx(0.06)  # 0.03 * 0.10 / 0.05
+    capped = dataclasses.replace(p, cap=0.02)  # servers that re-sparsify hold it there ...
+    assert step_model.width_at(capped, 2, growth) == 0.01  # ... and below it, it is the union
+    assert step_model.width_at(capped, 8, growth) == step_model.width_at(capped, 64, growth) == 0.02
+    # a width of two pushes cuts nothing for two workers; one at the density cuts for any
+    assert not step_model.resparsifies(step_model.WIDER, 2) and step_model.resparsifies(step_model.WIDER, 4)
+    assert step_model.resparsifies(step_model.RESPARSIFIED, 2)
+    assert not step_model.resparsifies("ps-adtopk", 8)
     with pytest.raises(ValueError, match="union_density.py --json"):
-        step_model.width_at(p, 64, None, None)
+        step_model.width_at(p, 64, None)
 
 
 def test_more_workers_need_more_servers_on_a_slow_link_and_fewer_on_a_fast_one():
