@@ -238,12 +238,15 @@ class Aggregator:
     def _declare(self, key: int, payload: Payload) -> KeyState:
         if len(self.keys) >= self.max_keys:
             raise PushRejected(f"key {key} would exceed the server's limit of {self.max_keys} keys")
-        nbytes = 2 * math.prod(payload.shape) * payload.dtype.itemsize
+        sparse = payload.codec != "dense"
+        # two buffers, and a re-sparsifying server's residual for a sparse key
+        copies = 3 if sparse and self.resparsify is not None else 2
+        nbytes = copies * math.prod(payload.shape) * payload.dtype.itemsize
         if self.bytes_held + nbytes > self.max_bytes:
             raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
                                f"of its {self.max_bytes} byte limit")
         self.bytes_held += nbytes
-        state = self.keys[key] = KeyState(payload.shape, payload.dtype, payload.codec != "dense")
+        state = self.keys[key] = KeyState(payload.shape, payload.dtype, sparse)
         return state
 
     def _answer(self, key: int, state: KeyState, round: int) -> Payload:

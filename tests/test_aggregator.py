@@ -147,6 +147,11 @@ def test_limits_refuse_new_keys_instead_of_running_out_of_memory():
     small = Aggregator(1, max_bytes=1000)
     with pytest.raises(PushRejected, match="needs 8000 bytes"):
         small.push(1, 0, 0, dense.compress(torch.ones(1000), "a"))
+    # a re-sparsifying server keeps a residual as large as a sparse key: it counts too
+    sparse = create("topk", ratio=0.01).compress(torch.ones(100), "s")
+    assert Aggregator(1, max_bytes=800).push(1, 0, 0, sparse) is not None
+    with pytest.raises(PushRejected, match="needs 1200 bytes"):
+        Aggregator(1, create("topk"), max_bytes=800, pushes_wide=1.0).push(1, 0, 0, sparse)
 
 
 def test_server_compressor_comes_from_the_environment(monkeypatch):
