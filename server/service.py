@@ -84,8 +84,8 @@ def resparsifier_from_env() -> Resparsifier | None:
             return Resparsifier(compressor, times)
         density = number(width, "the density after ':'")
         if density > 1:
-            raise ValueError(f"the density after ':' must be in (0, 1], got {width!r} (a multiple "
-                             f"of the pushes' width is written {width}x)")
+            hint = f" (a multiple of the pushes' width is written {width}x)" if density < math.inf else ""
+            raise ValueError(f"the density after ':' must be in (0, 1], got {width!r}{hint}")
         return Resparsifier(create(name, ratio=density), None)
     except ValueError as exc:
         raise ValueError(f"environment variable BYTEPS_SERVER_COMPRESSOR={spec!r}: {exc}") from None

@@ -166,6 +166,7 @@ def test_server_compressor_comes_from_the_environment(monkeypatch):
     for spec, complaint in (("zstd", "unknown compressor"), ("topk:lots", "density .* must be a number"),
                             ("topk:0", r"in \(0, 1\]"), ("topk:", "density .* must be a number"),
                             ("topk:2", r"in \(0, 1\], got '2' \(a multiple .* is written 2x\)"),
+                            ("topk:inf", r"in \(0, 1\], got 'inf'$"),
                             ("topk:twox", "multiple .* must be a number"), ("topk:x", "must be a number"),
                             ("topk:0x", "positive finite"), ("topk:-1x", "positive finite"),
                             ("topk:nanx", "positive finite"), ("topk:infx", "positive finite"),
