@@ -15,8 +15,8 @@ live rows, so it sends about the density's bytes, more than plain ADTopk; its re
 names what it pushed. ADTopk with re-sparsified answers pushes what plain ADTopk does, and
 the servers answer with the top-k of each key's sum (``BYTEPS_SERVER_COMPRESSOR``, with the
 servers' error feedback) instead of the workers' union: at the density
-(``adtopk+server-topk``) or twice as wide as the workers' pushes (``adtopk+server-2x``). Layers the policy keeps dense are the same in every run; dense
-training is the reference.
+(``adtopk+server-topk``) or twice as wide as the workers' pushes (``adtopk+server-2x``).
+Layers the policy keeps dense are the same in every run; dense training is the reference.
 
 Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
 and runs already there are skipped: stop it at any time and run the same command again to go
@@ -65,8 +65,9 @@ FLAGS = {"adtopk+refill": ["--set", "compression.refill=true"]}
 # a method's environment for every role, {density} filled in
 ENV = {"adtopk+server-topk": {"BYTEPS_SERVER_COMPRESSOR": "topk:{density}"},
        "adtopk+server-2x": {"BYTEPS_SERVER_COMPRESSOR": "topk:2x"}}
-# methods that run at the density itself rather than at a density matched to ADTopk's bytes
-AT_DENSITY = ("adtopk", "adtopk+refill", "adtopk+server-topk", "adtopk+server-2x")
+# ADTopk's variants: each runs at the density itself (not at a density matched to ADTopk's
+# bytes) and is compared with plain ADTopk
+VARIANTS = (*FLAGS, *ENV)
 # training steps at which the matching takes its real gradients, and how many at each
 MATCH_AT, MATCH_BATCHES = [0, 300, 1500], 4
 OTHERS = ["threshold", "randomk", "dgc", "gaussiank"]  # the first seed, the first density
@@ -130,7 +131,7 @@ def sparse_bytes(name: str, ratio: float, grads: list[dict[str, torch.Tensor]]) 
 def matching_ratio(name: str, density: float, grads: list[dict[str, torch.Tensor]]) -> float:
     """The density at which ``name``'s payloads weigh what ADTopk's do at ``density`` on
     ``grads``; ADTopk itself, with refill or with re-sparsified answers, runs at ``density``."""
-    if name in AT_DENSITY:
+    if name == "adtopk" or name in VARIANTS:
         return density
     target = sparse_bytes("adtopk", density, grads)
     lo, hi = math.log(1e-5), 0.0
@@ -280,8 +281,7 @@ def verdicts(task: str, density: float, by_method: dict[str, list[dict]]) -> lis
     the difference in means (Welch) excludes zero."""
     finals = {m: [final_of(task, r) for r in runs] for m, runs in by_method.items()}
     pairs = [(m, "dense") for m in finals if m != "dense"] + \
-        [("adtopk", "topk"), ("adtopk-i", "topk"), ("adtopk+refill", "adtopk"),
-         ("adtopk+server-topk", "adtopk"), ("adtopk+server-2x", "adtopk")]
+        [("adtopk", "topk"), ("adtopk-i", "topk"), *((m, "adtopk") for m in VARIANTS)]
     higher = higher_is_better(task)
     lines = []
     for a, b in pairs:

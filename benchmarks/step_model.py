@@ -43,8 +43,9 @@ grows the answer with W along the union measured on real gradients
 measured, then that curve's growth. Where the union passes half a tensor, the server sends
 it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer grows as ADTopk's union does up to
 the width the servers hold it to, as its runs show it at their largest W: the density
-(``topk:0.01``), or twice the pushes' width (``topk:2x``, which cuts nothing at W=2). Those
-runs are held out of the fit, as the finer keys' are, but for answers at the density.
+(``topk:0.01``), or twice the pushes' width (``topk:2x``, which cuts nothing at W=2). The
+runs at the density are in the fit; those at twice the pushes' width are held out of it,
+as the finer keys' are.
 """
 from __future__ import annotations
 
@@ -354,7 +355,8 @@ def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
     FINER_PARTITION_BYTES (no server carries less than its largest key)."""
     model = runs[0].model
     default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
-    out = {s: profile(runs, s, default) for s in [*SPARSE_SYSTEMS, WIDER] if any(r.system == s for r in runs)}
+    out = {s: profile(runs, s, default) for s in [*SPARSE_SYSTEMS, WIDER]
+           if any(r.system == s for r in runs)}
     for name in set(CAPPED) & set(out):
         p = out[name]
         union = out["ps-adtopk"].widths if "ps-adtopk" in out else p.widths
