@@ -172,6 +172,18 @@ def in_dtype(answer: Payload, wire: torch.dtype | None) -> Payload:
     return dataclasses.replace(answer, values=answer.values.to(wire))
 
 
+def residual_name(key: int) -> str:
+    """The name a re-sparsifying server's residual of ``key`` goes by."""
+    return f"key{key}"
+
+
+def check_residual(key: int, shape: tuple[int, ...], dtype: torch.dtype, state: KeyState) -> None:
+    """A residual put back for ``key`` must be of its shape and dtype."""
+    if (tuple(shape), dtype) != (state.shape, state.dtype):
+        raise PushRejected(f"key {key} holds {state.dtype} {state.shape}; the residual put back for "
+                           f"it is {dtype} {tuple(shape)}: the checkpoint is of another model")
+
+
 class Aggregator:
     """All keys of one server."""
 
@@ -230,6 +242,40 @@ class Aggregator:
         state.flagged, state.flagging = sorted(state.flagging), set()
         return in_dtype(self._answer(key, state, round), state.wire)
 
+    def residual(self, key: int, round: int) -> torch.Tensor | None:
+        """What re-sparsification has held back of ``key`` so far, as of ``round``: after
+        every earlier round's answer, before this one's (a checkpoint's); None where nothing
+        is held. Asked as of another round, it is refused: the worker's step and the
+        server's would not match."""
+        state = self.keys.get(key)
+        at = state.round if state is not None else 0
+        if round != at:
+            raise PushRejected(f"the residual of key {key} was asked as of round {round}; the "
+                               f"key is at round {at}")
+        if self.resparsify is None:
+            return None
+        return self.resparsify.memory.residuals.get(residual_name(key))
+
+    def restore(self, key: int, round: int, payload: Payload) -> None:
+        """Hold ``payload`` (dense) as ``key``'s residual from ``round`` on: a resumed
+        checkpoint's, put back before that round completes. A key not pushed yet is checked
+        against it when its first push comes."""
+        if self.resparsify is None:
+            raise PushRejected(f"a residual came for key {key}, but this server does not re-sparsify "
+                               f"its answers (BYTEPS_SERVER_COMPRESSOR is not set): the checkpoint "
+                               f"was saved by a job whose servers did")
+        if payload.codec != "dense":
+            raise PushRejected(f"the residual of key {key} must come dense, got {payload.codec}")
+        state = self.keys.get(key)
+        at = state.round if state is not None else 0
+        if round != at:
+            raise PushRejected(f"the residual of key {key} came for round {round}; the key is at "
+                               f"round {at}")
+        if state is not None:
+            check_residual(key, payload.shape, payload.dtype, state)
+        self.resparsify.memory.residuals[residual_name(key)] = \
+            payload.values.view(payload.shape).clone()
+
     def check_sender(self, sender: int) -> None:
         """Refuse a push whose sender is not a worker rank."""
         if not 0 <= sender < self.num_workers:
@@ -245,14 +291,23 @@ class Aggregator:
         if self.bytes_held + nbytes > self.max_bytes:
             raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
                                f"of its {self.max_bytes} byte limit")
+        state = KeyState(payload.shape, payload.dtype, sparse)
+        held = self.resparsify.memory.residuals.get(residual_name(key)) if self.resparsify else None
+        if held is not None:  # restored before the key's first push
+            check_residual(key, tuple(held.shape), held.dtype, state)
         self.bytes_held += nbytes
-        state = self.keys[key] = KeyState(payload.shape, payload.dtype, sparse)
+        self.keys[key] = state
         return state
 
     def _answer(self, key: int, state: KeyState, round: int) -> Payload:
         aggregate, state.current = state.current, None
         touched, state.touched = state.touched, None
-        comp, name = self.resparsify, f"key{key}"
+        comp, name = self.resparsify, residual_name(key)
+        if comp is not None and not state.sparse and name in comp.memory.residuals:
+            # a key that went dense since its residual was kept (a resumed job's cost model
+            # routed it otherwise): what was held back goes out with this answer
+            aggregate = aggregate + comp.memory.residuals.pop(name)
+            touched = None
         if comp is not None and state.sparse and aggregate.numel() and comp.accepts(aggregate):
             width = None  # the compressor's own density
             if self.pushes_wide is not None:

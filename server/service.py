@@ -21,7 +21,7 @@ import zmq
 from adtopk_ps import wire
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
 from adtopk_ps.cluster.transport import ClusterError, SchedulerLink, drain, make_socket, send
-from adtopk_ps.compression import Compressor, create
+from adtopk_ps.compression import Compressor, Dense, create
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
 
@@ -52,6 +52,8 @@ class ServerLimits:
 #: the compressors that keep a width in pushes: their selection is exactly as many entries as
 #: asked (ADTopk keeps some in every row, a threshold as many as pass it)
 COUNTED = ("topk", "randomk")
+#: what workers send a server: pushes, their finish, and a checkpoint's residuals out and in
+SERVED = (Op.PUSH, Op.FINISH, Op.FETCH, Op.RESIDUAL)
 
 
 class Resparsifier(NamedTuple):
@@ -174,8 +176,9 @@ class Server:
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
             key, rnd, epoch = msg.key, msg.round, msg.extra.get("epoch", 0)
-            if msg.op not in (Op.PUSH, Op.FINISH):
-                raise PushRejected(f"op {msg.op.value!r} is not served here; send push or finish")
+            if msg.op not in SERVED:
+                raise PushRejected(f"op {msg.op.value!r} is not served here; send "
+                                   f"{', '.join(sorted(op.value for op in SERVED))}")
             if epoch != self.epoch:  # an abandoned round (dropped), or one of a newer membership
                 if epoch > self.epoch:
                     self.keep_early(epoch, identity, frames)
@@ -186,6 +189,10 @@ class Server:
                 return self.on_finish(msg.sender, identity)
             if msg.key in self.dead:
                 raise PushRejected(self.dead[msg.key])
+            if msg.op == Op.FETCH:
+                return self.on_fetch(msg, identity)
+            if msg.op == Op.RESIDUAL:
+                return self.on_restore(msg)
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True,
                                           nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
@@ -211,6 +218,26 @@ class Server:
                                  **({"nonfinite": flagged} if flagged else {}), **wire.epoch_field(self.epoch))
         for peer in self.waiting.pop(msg.key):
             send(self.data, frames_out, peer)
+
+    def on_fetch(self, msg: wire.Message, identity: bytes) -> None:
+        """Send the key's residual as of the round asked (none: a header alone)."""
+        residual = self.aggregator.residual(msg.key, msg.round)
+        payload = None if residual is None else Dense().compress(residual, f"residual {msg.key}")
+        send(self.data, wire.encode(Op.RESIDUAL, key=msg.key, round=msg.round, payload=payload,
+                                    **wire.epoch_field(self.epoch)), identity)
+
+    def on_restore(self, msg: wire.Message) -> None:
+        """Hold a resumed checkpoint's residual for the key. One that cannot be held makes
+        every push of the key fail, to every worker alike, naming why: the job must not go
+        on from a state other than the one it saved."""
+        try:
+            self.aggregator.restore(msg.key, msg.round, msg.payload)
+        except PushRejected as exc:
+            self.dead[msg.key] = f"worker {msg.sender} put back a residual the server cannot hold: {exc}"
+            log.error("server %d: %s", self.link.rank, self.dead[msg.key])
+            for peer in self.waiting.pop(msg.key, []):
+                send(self.data, wire.encode(Op.ERROR, key=msg.key, round=msg.round,
+                                            message=self.dead[msg.key], **wire.epoch_field(self.epoch)), peer)
 
     def reshape(self, epoch: int, workers: int) -> None:
         """The workers changed (an elastic job re-formed): every round in progress is of the

@@ -51,13 +51,13 @@ def bpslaunch_timed(*args, env=None, timeout=120):
     return result
 
 
-def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240, timed=False):
+def train_job(workers, servers, *args, config=DIGITS_CNN, timeout=240, timed=False, env=None):
     """The training job (``python -m worker``) on a local cluster, run to completion
     (``timed``: with the arrival time of each line, see :func:`bpslaunch_timed`)."""
     return (bpslaunch_timed if timed else bpslaunch)(
         "--local", "--num-workers", str(workers), "--num-servers", str(servers),
         "--timeout", str(timeout - 20), "--", sys.executable, "-m", "worker",
-        "--config", config, *args, timeout=timeout)
+        "--config", config, *args, timeout=timeout, env=env)
 
 
 def checksums(out):

@@ -128,6 +128,71 @@ def test_answers_matched_to_the_pushes_are_as_wide_as_a_push_and_lose_nothing(wo
     assert torch.equal(answered + residual, total)
 
 
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.sampled_from([None, 1.0, 2.0]))
+def test_a_residual_fetched_and_put_back_continues_the_rounds_exactly(workers, before, after, times):
+    """A server's residual fetched as of a round and put back on a fresh server (a resumed
+    checkpoint's) gives the answers the first server would have given from that round on,
+    bit for bit; a fresh server without it gives others wherever anything was held back."""
+    def server():
+        return Aggregator(workers, resparsify=create("topk", ratio=0.05), pushes_wide=times)
+
+    def round_on(agg, rnd, data):
+        comps = [create("adtopk", ratio=0.3) for _ in range(workers)]
+        answer = None
+        for w in range(workers):
+            answer = agg.push(3, rnd, w, comps[w].compress(_ints((12, 30), 100 * data + w), "t"))
+        return answer.decompress()
+
+    first = server()
+    for rnd in range(before):
+        round_on(first, rnd, rnd)
+    held = first.residual(3, before)
+    with pytest.raises(PushRejected, match=f"asked as of round {before - 1}; the key is at round {before}"):
+        first.residual(3, before - 1)
+    resumed, fresh = server(), server()
+    if held is not None:
+        resumed.restore(3, 0, create("none").compress(held, "r"))
+    for rnd in range(after):
+        want = round_on(first, before + rnd, before + rnd)
+        assert torch.equal(round_on(resumed, rnd, before + rnd), want)
+        if held is not None and bool(held.any()) and rnd == 0:
+            assert not torch.equal(round_on(fresh, rnd, before + rnd), want)
+
+
+def test_a_residual_that_cannot_be_held_is_refused_naming_why():
+    p = create("adtopk", ratio=0.3).compress(_ints((12, 30), 0), "t")
+    with pytest.raises(PushRejected, match="does not re-sparsify its answers .*BYTEPS_SERVER_COMPRESSOR"):
+        Aggregator(2).restore(3, 0, create("none").compress(torch.ones(12, 30), "r"))
+    agg = Aggregator(2, resparsify=create("topk", ratio=0.05))
+    with pytest.raises(PushRejected, match="must come dense, got fibre"):
+        agg.restore(3, 0, p)
+    agg.restore(3, 0, create("none").compress(torch.ones(12, 31), "r"))  # before the key's first push
+    for _ in range(2):  # every push of the key is refused alike
+        with pytest.raises(PushRejected, match=r"key 3 holds torch.float32 \(12, 30\); the residual put "
+                                               r"back for it is torch.float32 \(12, 31\)"):
+            agg.push(3, 0, 0, p)
+    assert agg.push(4, 0, 0, p) is None  # other keys go on
+    with pytest.raises(PushRejected, match="came for round 1; the key is at round 0"):
+        agg.restore(4, 1, create("none").compress(torch.ones(12, 30), "r"))
+    assert agg.residual(9, 0) is None  # a key never pushed holds nothing
+
+
+def test_a_residual_put_back_for_a_key_now_pushed_dense_goes_out_with_its_next_answer():
+    """A resumed job whose cost model now sends a tensor dense: what the server held back of
+    it is not lost, nor held forever; it is added to the next answer."""
+    agg = Aggregator(2, resparsify=create("topk", ratio=0.05))
+    held = _ints((12, 30), 7)
+    agg.restore(3, 0, create("none").compress(held, "r"))
+    dense = create("none")
+    assert agg.push(3, 0, 0, dense.compress(torch.ones(12, 30), "t")) is None
+    answer = agg.push(3, 0, 1, dense.compress(torch.ones(12, 30), "t"))
+    assert torch.equal(answer.decompress(), held + 2)
+    assert agg.residual(3, 1) is None
+    answer = agg.push(3, 1, 0, dense.compress(torch.ones(12, 30), "t")) or \
+        agg.push(3, 1, 1, dense.compress(torch.ones(12, 30), "t"))
+    assert torch.equal(answer.decompress(), torch.full((12, 30), 2.0))
+
+
 def test_a_resparsifying_server_takes_an_empty_key_in_its_stride():
     """A sparse key of no elements has nothing to select: its answer is empty, not an error
     that would end the server."""

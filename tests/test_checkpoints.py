@@ -290,6 +290,68 @@ def test_a_resumed_run_matches_an_uninterrupted_one_bit_for_bit(runs):
         "worker1-step00000004.pt", "worker1-step00000008.pt", "worker1.commit"}
 
 
+# servers that re-sparsify their answers (at one push's width) hold residuals back
+HELD_BACK = {"BYTEPS_SERVER_COMPRESSOR": "topk"}
+
+
+@pytest.fixture(scope="module")
+def held_back(tmp_path_factory):
+    """As ``runs``, with 2 servers that hold residuals back: uninterrupted, and stopped after
+    4 of its 8 steps (checkpoints at step 4)."""
+    at4 = tmp_path_factory.mktemp("held-back") / "at4"
+    common = ("--steps", str(STEPS), "--checksums", "--set", "progress=false")
+    straight = train_job(2, 2, *common, env=HELD_BACK)
+    first = train_job(2, 2, *common, "--stop-after", "4", "--checkpoint-dir", str(at4), env=HELD_BACK)
+    for result in (straight, first):
+        assert result.returncode == 0, result.stdout[-3000:]
+    return {"straight": straight, "at4": at4, "common": common}
+
+
+def _resume_held_back(tmp_path, held_back, setup=lambda d: None, env=HELD_BACK):
+    directory = tmp_path / "ckpt"
+    shutil.copytree(held_back["at4"], directory)
+    setup(directory)
+    return train_job(2, 2, *held_back["common"], "--checkpoint-dir", str(directory), env=env)
+
+
+def _without_servers(directory):
+    path = _file(directory, 0, 4)
+    meta, state = read(path)
+    del state["servers"]
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    path.write_bytes(header_for({k: v for k, v in meta.items() if k != "bytes"}, buffer.getbuffer())
+                     + buffer.getvalue())
+
+
+def test_a_resumed_run_whose_servers_held_residuals_back_matches_an_uninterrupted_one(tmp_path, held_back):
+    entries = read(_file(held_back["at4"], 0, 4))[1]["servers"]  # worker 0's file holds them
+    assert entries and any(bool(e["residual"].any()) for e in entries)
+    assert "servers" not in read(_file(held_back["at4"], 1, 4))[1]
+    want = checksums(held_back["straight"].stdout)
+    resumed = _resume_held_back(tmp_path / "with", held_back)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    got = checksums(resumed.stdout)
+    assert sorted(got) == list(range(5, STEPS + 1)) and all(got[s] == want[s] for s in got)
+    # they matter: the same checkpoint without them resumes into another run
+    other = _resume_held_back(tmp_path / "without", held_back, _without_servers)
+    assert other.returncode == 0, other.stdout[-3000:]
+    assert checksums(other.stdout)[5] != want[5]
+
+
+def test_residuals_of_servers_that_held_back_are_refused_by_servers_that_do_not(tmp_path, held_back):
+    """A job resumed with servers that do not re-sparsify cannot continue the run it saved:
+    every worker fails at its first step, naming why, and the job ends."""
+    result = _resume_held_back(tmp_path, held_back, env={"BYTEPS_SERVER_COMPRESSOR": ""})
+    out = result.stdout
+    assert result.returncode != 0, out[-3000:]
+    assert not checksums(out), "a worker trained a step"
+    for rank in range(2):
+        assert re.search(rf"\[worker {rank}\] .*worker 0 put back a residual the server cannot hold: a "
+                         rf"residual came for key \d+, but this server does not re-sparsify its answers "
+                         rf"\(BYTEPS_SERVER_COMPRESSOR is not set\)", out), out[-3000:]
+
+
 def _resumed(tmp_path, runs, setup):
     """The job resumed from a copy of the step-4 and step-8 checkpoints changed by ``setup``."""
     directory = tmp_path / "ckpt"

@@ -298,3 +298,25 @@ def test_the_ledger_counts_bytes_per_server_and_the_answers_width(server_compres
         assert set(t["pushed"]) == set(t["pulled"]) <= {"0", "1"}
     # both workers' keys land on the same servers; the answers are the same bytes
     assert tallies[0]["pulled"] == tallies[1]["pulled"]
+
+
+def test_a_checkpoints_server_residuals_are_checked_against_this_jobs_keys(client):
+    """Servers that do not re-sparsify hold nothing back: a checkpoint takes nothing of
+    theirs. What a checkpoint brings back must be the key its tensor's partition has here;
+    and servers that hold nothing back refuse what is brought back, at the key's next push."""
+    grad = torch.ones(64, 64)
+    client.push_pull(grad, "w", average=False).wait(30)
+    assert client.server_residuals(timeout=30) == []
+    key = client._layouts[("w", torch.float32, (64, 64))].keys[0]
+    entry = {"key": key, "name": "w", "dtype": "float32", "shape": [64, 64], "part": 0,
+             "residual": torch.zeros(64, 64)}
+    with pytest.raises(ValueError, match=r"residual of 'w' \(partition 1, key \d+\) fits no key of this job"):
+        client.restore_server_residuals([{**entry, "part": 1}])
+    with pytest.raises(ValueError, match=r"residual of 'w' \(partition 0, key \d+\) fits no key"):
+        client.restore_server_residuals([{**entry, "shape": [64, 65]}])
+    for bad in ({**entry, "dtype": "nn"}, {k: v for k, v in entry.items() if k != "residual"}, 7):
+        with pytest.raises(ValueError, match="a server residual entry must hold key, name, dtype"):
+            client.restore_server_residuals([bad])
+    client.restore_server_residuals([entry])
+    with pytest.raises(PushPullError, match="this server does not re-sparsify its answers"):
+        client.push_pull(grad, "w", average=False).wait(30)

@@ -31,6 +31,19 @@ def test_control_message_round_trips():
     assert msg.extra == {"role": "server", "host": "10.0.0.1", "port": 9000}
 
 
+def test_a_residual_travels_with_its_tensor_or_says_none_is_held_by_having_none():
+    held = create("none").compress(torch.randn(4, 6), "r")
+    msg = wire.decode(wire.encode(wire.Op.RESIDUAL, key=5, round=3, payload=held))
+    assert (msg.op, msg.key, msg.round) == (wire.Op.RESIDUAL, 5, 3)
+    assert torch.equal(msg.payload.decompress(), held.decompress())
+    assert wire.decode(wire.encode(wire.Op.RESIDUAL, key=5, round=3)).payload is None
+    data = wire.encode(wire.Op.RESIDUAL, key=5, payload=held)[1:]
+    with pytest.raises(wire.WireError, match="fetch carries no tensor, but 1 data frame"):
+        wire.decode(wire.encode(wire.Op.FETCH, key=5) + data)
+    with pytest.raises(wire.WireError, match="residual carries no tensor, but 1 data frame"):
+        wire.decode(wire.encode(wire.Op.RESIDUAL, key=5) + data)
+
+
 def test_ops_travel_as_strings_and_decode_to_the_enum():
     header = msgpack.unpackb(wire.encode(wire.Op.NEGOTIATE, round=2)[0])
     assert header["op"] == "negotiate" and type(header["op"]) is str  # the wire carries the value

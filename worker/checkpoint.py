@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 import adtopk_ps.torch as bps
+from adtopk_ps.client.engine import PushPullError
 from adtopk_ps.cluster.transport import ClusterError
 
 from .checkpoint_file import Damaged, read, read_header, write
@@ -121,11 +122,15 @@ class Checkpoints:
         rank, workers = bps.rank(), bps.size()
         path = generation_path(self.directory, rank, step)
         try:
+            # worker 0's file holds what the servers hold back from their answers, if anything
+            servers = bps.client().server_residuals() if rank == 0 else None
             write(path, model, opt, {**(meta or {}), "job": job, "rank": rank, "step": step,
-                                     "workers": workers})
+                                     "workers": workers}, servers)
             failure = None
         except OSError as exc:  # the file's temporary copy is gone; the older generations stay
             failure = f"worker {rank}: saving to {path} failed ({exc.strerror or exc})"
+        except (PushPullError, TimeoutError) as exc:
+            failure = f"worker {rank}: the servers' residuals for {path} could not be fetched ({exc})"
         failures = [f for f in bps.allgather_object(failure, name="checkpoint.commit") if f]
         if failures:
             then = (f"step {self.committed[-1]}, the last committed" if self.committed
@@ -320,6 +325,8 @@ def load_into(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> str |
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+        if "servers" in state:  # (worker 0's) before any push of the resumed job
+            bps.client().restore_server_residuals(state["servers"])
     except Exception as exc:
         return f"{path} is foreign: does not fit this model or optimizer: {str(exc).splitlines()[0]}"
     return None

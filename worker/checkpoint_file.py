@@ -5,7 +5,7 @@ A checkpoint file is a header and a payload::
     adtopk-ps checkpoint 1\\n
     <sha256 of everything after this line, 64 hex digits>\\n
     {"bytes": ..., "job": {...}, "rank": 0, "step": 20, "workers": 2}\\n
-    <torch.save of {"model": ..., "optimizer": ...}>
+    <torch.save of {"model": ..., "optimizer": ...} (and "servers": the servers' residuals)>
 
 so a flipped byte anywhere, an empty or truncated file, or another job's or cluster
 shape's file is found before ``torch.load`` reads it. Which files a worker keeps, and
@@ -57,12 +57,14 @@ def on_cpu(state: object) -> object:
     return state
 
 
-def write(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict) -> None:
+def write(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict,
+          servers: list | None = None) -> None:
     """Write ``path`` atomically: a temporary file beside it, fsync, rename, fsync the directory.
 
     A crash at any moment leaves no torn file under ``path``'s name. On an ``OSError`` (a
     full disk, say) the temporary file is removed before the error goes on. Tensors are
-    saved from the CPU (:func:`on_cpu`); :func:`read` loads them there.
+    saved from the CPU (:func:`on_cpu`); :func:`read` loads them there. ``servers``: the
+    servers' residuals (``PSClient.server_residuals``), where they hold any.
 
     Example::
 
@@ -70,7 +72,10 @@ def write(path: Path, model: nn.Module, opt: torch.optim.Optimizer, meta: dict) 
               {"job": {...}, "rank": 0, "step": 20, "workers": 2})
     """
     buffer = io.BytesIO()
-    torch.save(on_cpu({"model": model.state_dict(), "optimizer": opt.state_dict()}), buffer)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    if servers:
+        state["servers"] = servers
+    torch.save(on_cpu(state), buffer)
     header = header_for(meta, buffer.getbuffer())
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -34,11 +34,12 @@ from adtopk_ps import wire
 from adtopk_ps.client.credit import Outbox
 from adtopk_ps.client.handle import Handle
 from adtopk_ps.client.ledger import Ledger
+from adtopk_ps.client.server_residuals import Fetch
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
 from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
                                          register_timeout, send)
-from adtopk_ps.compression import Compressor, Request, start_each
+from adtopk_ps.compression import Compressor, Dense, Request, start_each
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
 
@@ -157,6 +158,8 @@ class Engine:
         self._agreements: dict[int, Negotiation] = {}
         self._reqids = itertools.count(1)
         self.on_standin: Callable[[dict], None] | None = None  # the client's, for join()
+        # key -> (the round asked, the fetch waiting for its residual); the engine thread's
+        self._fetching: dict[int, tuple[int, Fetch]] = {}
         self._seq = itertools.count()
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(ctx, zmq.PULL)
@@ -225,6 +228,30 @@ class Engine:
         or (``withdraw``) gives it up."""
         with self.lock:
             self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
+        self._poke()
+
+    def fetch_residuals(self, keys: list[int]) -> Fetch:
+        """Ask the servers for these keys' residuals as of their next round (a re-sparsifying
+        server's, for a checkpoint), behind every push queued before; the fetch completes
+        once every server answered. Raises as :meth:`submit` does."""
+        call = Fetch(keys)
+        self._command(Op.FETCH, {"call": call})
+        return call
+
+    def restore_residuals(self, residuals: dict[int, torch.Tensor]) -> threading.Event:
+        """Put these residuals back on their servers (a resumed checkpoint's); the event is
+        set once they are sent, and a push queued after that goes behind them: the key's
+        round cannot complete before they are in. A server that refuses one refuses every
+        later push of its key, naming why."""
+        sent = threading.Event()
+        self._command(Op.RESIDUAL, {"residuals": residuals, "sent": sent})
+        return sent
+
+    def _command(self, op: Op, fields: dict) -> None:
+        with self.lock:
+            if self.changed is not None:
+                raise self.changed
+            self._commands.append((op, 0, fields))
         self._poke()
 
     def finish(self, failed: str | None = None, status: int = 1) -> None:
@@ -348,6 +375,11 @@ class Engine:
                     link.negotiate(reqid, fields, self.epoch)
                 elif op == Op.BLOCKED:
                     link.block(reqid, fields["waiting"], fields["withdraw"], self.epoch)
+                elif op == Op.FETCH:
+                    self._send_fetch(fields["call"], len(servers))
+                elif op == Op.RESIDUAL:
+                    self._send_residuals(fields["residuals"], len(servers))
+                    fields["sent"].set()
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
@@ -474,6 +506,37 @@ class Engine:
     def _send_to(self, server: int, frames: list) -> None:
         send(self._sockets[server], frames)
 
+    def _send_fetch(self, call: Fetch, servers: int) -> None:
+        for key in list(call.waiting):
+            rnd = self.rounds.get(key, 0)
+            self._fetching[key] = (rnd, call)
+            self._send_to(server_of(key, servers), wire.encode(
+                Op.FETCH, key=key, round=rnd, sender=self.rank, **wire.epoch_field(self.epoch)))
+
+    def _send_residuals(self, residuals: dict[int, torch.Tensor], servers: int) -> None:
+        for key, residual in residuals.items():
+            frames = wire.encode(Op.RESIDUAL, key=key, round=self.rounds.get(key, 0), sender=self.rank,
+                                 payload=Dense().compress(residual.detach().cpu(), f"residual {key}"),
+                                 **wire.epoch_field(self.epoch))
+            self._send_to(server_of(key, servers), frames)
+
+    def _on_fetched(self, server: int, msg: wire.Message) -> bool:
+        """A server's answer to a fetch (its residual, or its refusal): True where ``msg`` is one."""
+        asked = self._fetching.get(msg.key)
+        if asked is None or asked[0] != msg.round or msg.op not in (Op.RESIDUAL, Op.ERROR):
+            return False
+        if msg.op == Op.ERROR and any(p.round == msg.round for p in self._inflight.get(msg.key, ())):
+            return False  # a refused push of the same round
+        del self._fetching[msg.key]
+        if msg.op == Op.ERROR:
+            asked[1].fail(PushPullError(f"server {server} refused the residual of key {msg.key}: "
+                                        f"{msg.extra.get('message')}"))
+        else:
+            held = msg.payload
+            asked[1].answered(msg.key, None if held is None else
+                              held.write_into(torch.empty(held.shape, dtype=held.dtype)))
+        return True
+
     def _on_answer(self, server: int, frames: list) -> None:
         try:
             msg = wire.decode(frames)
@@ -483,6 +546,8 @@ class Engine:
             return  # an answer of the old membership's, whose rounds this worker abandoned
         if msg.op == Op.STALL:
             return self._on_stall(server, msg)
+        if self._fetching and self._on_fetched(server, msg):
+            return
         self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
         if msg.op == Op.RECEIVED:
             return
@@ -537,6 +602,8 @@ class Engine:
         with self.lock:
             jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
             calls, self._agreements = list(self._agreements.values()), {}
+        calls += [call for _, call in self._fetching.values()]
+        self._fetching.clear()
         parts = [p for waiting in self._inflight.values() for p in waiting]
         self._inflight.clear()
         self.outbox.clear()

@@ -25,6 +25,7 @@ from adtopk_ps import wire
 from adtopk_ps.client.engine import Engine
 from adtopk_ps.client.handle import Agreement, Handle
 from adtopk_ps.client.ledger import Ledger
+from adtopk_ps.client.server_residuals import keys_of, saved, to_restore
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, name_id
 from adtopk_ps.cluster.transport import ClusterError, security
 from adtopk_ps.compression import Compressor, Dense
@@ -301,6 +302,37 @@ class PSClient:
         self._collectives.clear()
         self._unnamed.clear()  # every survivor numbers its unnamed collectives afresh, alike
 
+    def server_residuals(self, timeout: float | None = None) -> list[dict]:
+        """What the servers hold back from their answers (``BYTEPS_SERVER_COMPRESSOR``) for
+        every key declared so far, as of each key's next round, for a checkpoint; empty where
+        the servers do not re-sparsify. Call it between steps, on one worker: the keys' rounds
+        cannot move on while this worker has not pushed them.
+
+        Example::
+
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                     "servers": client.server_residuals()}
+        """
+        self.check()
+        keys = keys_of(self._layouts)
+        call = self._engine.fetch_residuals(list(keys))
+        return saved(call.wait(self.timeout if timeout is None else timeout), keys)
+
+    def restore_server_residuals(self, entries: list[dict]) -> None:
+        """Put back what :meth:`server_residuals` saved, before this worker's first push of
+        each key (the resumed job's first step), on one worker. An entry that fits no key of
+        this job raises ``ValueError`` naming it; a server that cannot take one (it does not
+        re-sparsify, or the key holds another shape) refuses every push of that key, naming why.
+
+        Example::
+
+            client.restore_server_residuals(state["servers"])
+        """
+        self.check()
+        sent = self._engine.restore_residuals(to_restore(entries, self._layout_for))
+        while not sent.wait(0.1):  # sent before any push queued from here on
+            self.check()
+
     def quiesce(self, timeout: float | None = None) -> None:
         """Wait until every push_pull started so far has its answer (or has failed: its own
         handle reports that)."""
@@ -325,11 +357,15 @@ class PSClient:
         shape = tuple(tensor.shape)
         layout = self._layouts.get((name, tensor.dtype, shape))
         if layout is None:
-            tensor_id = name_id(f"{name}|{str(tensor.dtype).removeprefix('torch.')}|{shape}")
-            layout = KeyLayout.of(tensor_id, tensor, self.config.partition_bytes)
-            self._layouts[(name, tensor.dtype, shape)] = layout
+            layout = self._layouts[(name, tensor.dtype, shape)] = self._layout_for(name, tensor.dtype, shape)
             self._order.setdefault(name, len(self._order))
         return layout
+
+    def _layout_for(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> KeyLayout:
+        """The keys a tensor of ``dtype`` and ``shape`` declared as ``name`` has."""
+        tensor_id = name_id(f"{name}|{str(dtype).removeprefix('torch.')}|{shape}")
+        return KeyLayout.of(tensor_id, torch.empty(shape, dtype=dtype, device="meta"),
+                            self.config.partition_bytes)
 
     def _priority(self, name: str, priority: int | None) -> int:
         """``priority``, or by declaration order: with a credit window, by need (the first

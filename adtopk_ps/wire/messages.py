@@ -10,6 +10,11 @@ A push may say ``nonfinite: true`` (its compressor saw a NaN or an infinity);
 a result then lists, in ``nonfinite``, the ranks whose pushes of that round
 said so, the same list to every worker. A push may ask for a receipt (``ack: true``):
 the server sends ``received`` with its key and round as soon as it has taken it in.
+
+A server that re-sparsifies its answers keeps a residual per sparse key, which a
+checkpoint must hold as a worker's residuals are: ``fetch`` asks for a key's residual as
+of its round, and the server answers ``residual`` with the tensor (none where it holds
+none); a ``residual`` from a worker puts one back before the key's round completes.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from adtopk_ps.wire.frames import payload_buffers, payload_fields
 #:    carries the cluster's shape
 #: 5: a push may ask for a receipt (``ack: true``, a worker's credit window); the server
 #:    then sends ``received`` for it before any answer
-PROTOCOL = 5
+#: 6: fetch and residual: a re-sparsifying server's residuals into and out of checkpoints
+PROTOCOL = 6
 
 
 class Op(str, Enum):
@@ -55,6 +61,10 @@ class Op(str, Enum):
     # number of workers and the servers; pushes and answers then carry the epoch
     RESHAPE = "reshape"
     ERROR = "error"  # any -> sender: what it sent was refused, and why
+    FETCH = "fetch"  # worker -> server: the residual of ``key`` as of ``round``, for a checkpoint
+    # server -> worker: the residual fetched (no tensor: none held); worker -> server: one to
+    # put back before ``round`` of ``key`` completes (a resumed checkpoint's)
+    RESIDUAL = "residual"
 
     def __str__(self) -> str:
         return self.value
@@ -62,6 +72,8 @@ class Op(str, Enum):
 
 #: ops that carry a payload
 TENSOR_OPS = frozenset({Op.PUSH, Op.RESULT})
+#: ops that carry one when their header describes it (``codec`` and the other payload fields)
+MAYBE_TENSOR_OPS = frozenset({Op.RESIDUAL})
 _VALID = sorted(op.value for op in Op)
 
 _ENVELOPE = {"v": int, "op": str, "key": int, "round": int, "sender": int}
@@ -130,7 +142,7 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         if not 0 <= header[name] < 1 << 63:
             raise WireError(f"header field {name!r} = {header[name]} is out of range")
     payload = None
-    if op in TENSOR_OPS:
+    if op in TENSOR_OPS or (op in MAYBE_TENSOR_OPS and "codec" in header):
         meta = {k: header.pop(k) for k in _PAYLOAD_FIELDS if k in header}
         try:
             payload = payload_from_fields(meta, frames[1:], max_numel=max_numel)

@@ -1,0 +1,97 @@
+"""The servers' residuals, into a checkpoint and back out of one.
+
+A server that re-sparsifies its answers (``BYTEPS_SERVER_COMPRESSOR``) keeps, per sparse
+key, what its answers have left out so far, as a worker's error feedback keeps what its
+pushes left out. A job resumed without it would not continue the run it stopped: the
+servers would start with nothing held. So a checkpoint takes the servers' residuals too
+(fetched as of the step it saves), and a resumed job puts them back before any round of
+theirs completes.
+
+Keys are named in a checkpoint by tensor name and partition, not only by key id: a job
+resumed with other partitions (``BYTEPS_PARTITION_BYTES``) or another model has other
+keys, and a residual that fits none of them is refused, naming it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+
+from adtopk_ps.cluster.membership import KeyLayout
+
+
+class Fetch:
+    """A fetch of some keys' residuals, waiting on the engine thread's answers."""
+
+    def __init__(self, keys: list[int]) -> None:
+        self.waiting = set(keys)
+        self.residuals: dict[int, torch.Tensor] = {}
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        if not self.waiting:
+            self._done.set()
+
+    def answered(self, key: int, residual: torch.Tensor | None) -> None:
+        """A server's answer for ``key``: its residual, or None where it holds none."""
+        if residual is not None:
+            self.residuals[key] = residual
+        self.waiting.discard(key)
+        if not self.waiting:
+            self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        """The fetch cannot complete (a server refused it, or the engine ended)."""
+        if self.error is None:
+            self.error = error
+        self._done.set()
+
+    def wait(self, timeout: float) -> dict[int, torch.Tensor]:
+        """The residuals by key once every server answered; raises what failed the fetch,
+        or ``TimeoutError``."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the servers did not send their residuals of {len(self.waiting)} "
+                               f"key(s) within {timeout:.1f} s")
+        if self.error is not None:
+            raise self.error
+        return self.residuals
+
+
+def keys_of(layouts: dict[tuple, KeyLayout]) -> dict[int, tuple[str, torch.dtype, tuple, int]]:
+    """Every key of the tensors declared so far: key -> (tensor name, dtype, shape, partition)."""
+    return {key: (name, dtype, shape, part) for (name, dtype, shape), layout in layouts.items()
+            for part, key in enumerate(layout.keys)}
+
+
+def saved(residuals: dict[int, torch.Tensor], keys: dict[int, tuple]) -> list[dict]:
+    """What a checkpoint holds of the fetched ``residuals``: one entry per key, with the
+    tensor it is a partition of."""
+    return [{"key": key, "name": keys[key][0], "dtype": str(keys[key][1]).removeprefix("torch."),
+             "shape": list(keys[key][2]), "part": keys[key][3], "residual": residual}
+            for key, residual in sorted(residuals.items())]
+
+
+def to_restore(entries: object, layout_of: Callable[[str, torch.dtype, tuple], KeyLayout]
+               ) -> dict[int, torch.Tensor]:
+    """The residuals of a checkpoint's ``entries`` (:func:`saved`) by key, each checked to be
+    the key its tensor's partition has in this job (``layout_of`` lays a tensor out as the
+    client would); ``ValueError`` names the first that is not."""
+    if not isinstance(entries, list):
+        raise ValueError(f"the servers' residuals must be a list of entries, got {type(entries).__name__}")
+    out: dict[int, torch.Tensor] = {}
+    for entry in entries:
+        try:
+            key, name, part, residual = entry["key"], entry["name"], entry["part"], entry["residual"]
+            dtype, shape = getattr(torch, entry["dtype"]), tuple(entry["shape"])
+            if not isinstance(residual, torch.Tensor) or not isinstance(dtype, torch.dtype):
+                raise TypeError
+            keys = layout_of(name, dtype, shape).keys
+        except (TypeError, KeyError, AttributeError, ValueError):
+            raise ValueError(f"a server residual entry must hold key, name, dtype, shape, part "
+                             f"and a tensor, got {entry!r:.160}") from None
+        if not (isinstance(part, int) and 0 <= part < len(keys) and keys[part] == key):
+            raise ValueError(f"the servers' residual of {name!r} (partition {part}, key {key}) fits "
+                             f"no key of this job: its partitions (BYTEPS_PARTITION_BYTES) differ "
+                             f"from the job that saved it")
+        out[key] = residual
+    return out
