@@ -352,6 +352,18 @@ def test_residuals_of_servers_that_held_back_are_refused_by_servers_that_do_not(
                          rf"\(BYTEPS_SERVER_COMPRESSOR is not set\)", out), out[-3000:]
 
 
+def test_servers_residuals_of_other_partitions_are_refused_on_every_worker_naming_the_tensor(tmp_path,
+                                                                                           held_back):
+    result = _resume_held_back(tmp_path, held_back, env={**HELD_BACK, "BYTEPS_PARTITION_BYTES": "4096"})
+    out = result.stdout
+    assert result.returncode != 0 and not checksums(out), out[-3000:]
+    assert re.search(r"worker 0: \S+worker0-step00000004.pt is foreign: does not fit this model or "
+                     r"optimizer: the servers' residual of '[\w.]+' \(partition \d+, key \d+\) fits no "
+                     r"key of this job: its partitions \(BYTEPS_PARTITION_BYTES\) differ", out), out[-3000:]
+    for rank in range(2):
+        assert f"[worker {rank}] worker: CheckpointError: checkpoints refused on every worker" in out
+
+
 def _resumed(tmp_path, runs, setup):
     """The job resumed from a copy of the step-4 and step-8 checkpoints changed by ``setup``."""
     directory = tmp_path / "ckpt"

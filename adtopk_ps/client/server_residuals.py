@@ -71,6 +71,12 @@ def saved(residuals: dict[int, torch.Tensor], keys: dict[int, tuple]) -> list[di
             for key, residual in sorted(residuals.items())]
 
 
+def part_shape(layout: KeyLayout, part: int) -> tuple[int, ...]:
+    """The shape of partition ``part`` of a tensor laid out as ``layout``, as pushed."""
+    length = layout.blocks[part][1]
+    return (length, *layout.shape[1:]) if len(layout.shape) >= 2 else (length,)
+
+
 def to_restore(entries: object, layout_of: Callable[[str, torch.dtype, tuple], KeyLayout]
                ) -> dict[int, torch.Tensor]:
     """The residuals of a checkpoint's ``entries`` (:func:`saved`) by key, each checked to be
@@ -85,11 +91,13 @@ def to_restore(entries: object, layout_of: Callable[[str, torch.dtype, tuple], K
             dtype, shape = getattr(torch, entry["dtype"]), tuple(entry["shape"])
             if not isinstance(residual, torch.Tensor) or not isinstance(dtype, torch.dtype):
                 raise TypeError
-            keys = layout_of(name, dtype, shape).keys
+            layout = layout_of(name, dtype, shape)
         except (TypeError, KeyError, AttributeError, ValueError):
             raise ValueError(f"a server residual entry must hold key, name, dtype, shape, part "
                              f"and a tensor, got {entry!r:.160}") from None
-        if not (isinstance(part, int) and 0 <= part < len(keys) and keys[part] == key):
+        keys = layout.keys
+        if not (isinstance(part, int) and 0 <= part < len(keys) and keys[part] == key
+                and tuple(residual.shape) == part_shape(layout, part)):
             raise ValueError(f"the servers' residual of {name!r} (partition {part}, key {key}) fits "
                              f"no key of this job: its partitions (BYTEPS_PARTITION_BYTES) differ "
                              f"from the job that saved it")
