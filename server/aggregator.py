@@ -264,8 +264,9 @@ class Aggregator:
             raise PushRejected(f"a residual came for key {key}, but this server does not re-sparsify "
                                f"its answers (BYTEPS_SERVER_COMPRESSOR is not set): the checkpoint "
                                f"was saved by a job whose servers did")
-        if payload.codec != "dense":
-            raise PushRejected(f"the residual of key {key} must come dense, got {payload.codec}")
+        if payload is None or payload.codec != "dense":
+            raise PushRejected(f"the residual of key {key} must come dense, got "
+                               f"{'no tensor' if payload is None else payload.codec}")
         state = self.keys.get(key)
         at = state.round if state is not None else 0
         if round != at:

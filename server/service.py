@@ -189,10 +189,9 @@ class Server:
                 return self.on_finish(msg.sender, identity)
             if msg.key in self.dead:
                 raise PushRejected(self.dead[msg.key])
-            if msg.op == Op.FETCH:
-                return self.on_fetch(msg, identity)
-            if msg.op == Op.RESIDUAL:
-                return self.on_restore(msg)
+            if msg.op in (Op.FETCH, Op.RESIDUAL):
+                self.aggregator.check_sender(msg.sender)  # (a push binds its rank; these do not)
+                return self.on_fetch(msg, identity) if msg.op == Op.FETCH else self.on_restore(msg, identity)
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True,
                                           nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
@@ -226,17 +225,23 @@ class Server:
         send(self.data, wire.encode(Op.RESIDUAL, key=msg.key, round=msg.round, payload=payload,
                                     **wire.epoch_field(self.epoch)), identity)
 
-    def on_restore(self, msg: wire.Message) -> None:
-        """Hold a resumed checkpoint's residual for the key. One that cannot be held makes
-        every push of the key fail, to every worker alike, naming why: the job must not go
-        on from a state other than the one it saved."""
+    def on_restore(self, msg: wire.Message, identity: bytes) -> None:
+        """Hold a resumed checkpoint's residual for the key, and say so (``received``). One
+        that cannot be held is refused, and makes every push of the key fail, to every
+        worker alike, naming why: the job must not go on from a state other than the one it
+        saved."""
         try:
             self.aggregator.restore(msg.key, msg.round, msg.payload)
+            send(self.data, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
+                                        **wire.epoch_field(self.epoch)), identity)
         except PushRejected as exc:
             self.dead[msg.key] = f"worker {msg.sender} put back a residual the server cannot hold: {exc}"
             log.error("server %d: %s", self.link.rank, self.dead[msg.key])
-            for peer in self.waiting.pop(msg.key, []):
-                send(self.data, wire.encode(Op.ERROR, key=msg.key, round=msg.round,
+            send(self.data, wire.encode(Op.ERROR, key=msg.key, round=msg.round, message=self.dead[msg.key],
+                                        **wire.epoch_field(self.epoch)), identity)
+            state = self.aggregator.keys.get(msg.key)
+            for peer in self.waiting.pop(msg.key, []):  # their pushes of the key's round
+                send(self.data, wire.encode(Op.ERROR, key=msg.key, round=state.round,
                                             message=self.dead[msg.key], **wire.epoch_field(self.epoch)), peer)
 
     def reshape(self, epoch: int, workers: int) -> None:

@@ -166,6 +166,8 @@ def test_a_residual_that_cannot_be_held_is_refused_naming_why():
     agg = Aggregator(2, resparsify=create("topk", ratio=0.05))
     with pytest.raises(PushRejected, match="must come dense, got fibre"):
         agg.restore(3, 0, p)
+    with pytest.raises(PushRejected, match="must come dense, got no tensor"):
+        agg.restore(3, 0, None)
     agg.restore(3, 0, create("none").compress(torch.ones(12, 31), "r"))  # before the key's first push
     for _ in range(2):  # every push of the key is refused alike
         with pytest.raises(PushRejected, match=r"key 3 holds torch.float32 \(12, 30\); the residual put "

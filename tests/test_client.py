@@ -8,6 +8,7 @@ import torch
 
 from adtopk_ps.client.engine import PushPullError
 from adtopk_ps.client.ps_client import PSClient
+from adtopk_ps.cluster.transport import ClusterError
 from adtopk_ps.compression import Compressor
 
 from procs import bpslaunch
@@ -314,9 +315,24 @@ def test_a_checkpoints_server_residuals_are_checked_against_this_jobs_keys(clien
         client.restore_server_residuals([{**entry, "part": 1}])
     with pytest.raises(ValueError, match=r"residual of 'w' \(partition 0, key \d+\) fits no key"):
         client.restore_server_residuals([{**entry, "shape": [64, 65]}])
-    for bad in ({**entry, "dtype": "nn"}, {k: v for k, v in entry.items() if k != "residual"}, 7):
-        with pytest.raises(ValueError, match="a server residual entry must hold key, name, dtype"):
+    with pytest.raises(ValueError, match=r"residual of 'w' \(partition 0, key \d+\) fits no key"):
+        client.restore_server_residuals([{**entry, "residual": torch.zeros(64, 63)}])
+    for shape, complaint in [([1 << 40, 1], r"needs \d+ partitions"),  # not laid out first
+                             ([1 << 62, 1], "overflowed")]:
+        with pytest.raises(ValueError, match=f"names a tensor of shape .* cannot be laid out: .*{complaint}"):
+            client.restore_server_residuals([{**entry, "shape": shape}])
+    for bad in ({**entry, "dtype": "nn"}, {k: v for k, v in entry.items() if k != "residual"}, 7,
+                {**entry, "residual": "zeros"}, {**entry, "part": True}):
+        with pytest.raises(ValueError, match="a server residual entry must hold key, name, dtype|fits no key"):
             client.restore_server_residuals([bad])
+    for residual, complaint in [(torch.zeros(64, 64, dtype=torch.float64), "got torch.float64 torch.strided"),
+                                (torch.zeros(64, 64, device="meta"), "on meta"),
+                                (torch.zeros(64, 64).to_sparse(), "torch.sparse_coo"),
+                                (torch.full((64, 64), float("nan")), "holds a NaN or an infinity")]:
+        with pytest.raises(ValueError, match=rf"residual of 'w' \(partition 0\) .*{complaint}"):
+            client.restore_server_residuals([{**entry, "residual": residual}])
     client.restore_server_residuals([entry])
-    with pytest.raises(PushPullError, match="this server does not re-sparsify its answers"):
+    with pytest.raises(ClusterError, match=r"server 0 refused the residual put back for key \d+ \(a resumed "
+                                           r"checkpoint's\): worker 0 put back a residual the server "
+                                           r"cannot hold: .* does not re-sparsify its answers"):
         client.push_pull(grad, "w", average=False).wait(30)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from adtopk_ps.testing.roles import role_pids
 from procs import FAST, bpslaunch
 from worker import checkpoint, elastic_checkpoint
 from worker.checkpoint import REFUSED, CheckpointError, generation_path
-from worker.checkpoint_file import read_header, write
+from worker.checkpoint_file import read, read_header, write
 from worker.elastic_checkpoint import Copy, Holdings, decide
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -285,3 +286,25 @@ def test_a_kill_in_a_save_and_a_rerun_with_other_workers_resume_the_committed_st
                      r"step, with 2 worker\(s\)", out), out
     assert "checksum step 60:" not in out and out.count("checksum step 61:") == 2, out
     assert len(set(re.findall(r"checksum step 80: (\w+)", out))) == 1, out
+
+
+def test_any_copy_of_a_step_brings_back_what_the_servers_held_back(tmp_path):
+    """With servers that re-sparsify (their residuals in checkpoints), every worker's copy
+    of a step holds them: a rerun that finds only worker 1's copy (worker 0's host is gone)
+    continues as the one that finds worker 0's."""
+    env = {**os.environ, **FAST, "PS_HEARTBEAT_TIMEOUT_MS": "6000", "BYTEPS_SERVER_COMPRESSOR": "topk"}
+    first = bpslaunch(*_job(tmp_path / "a", 2, 20, "--stop-after", "10")[3:], timeout=200, env=env)
+    assert first.returncode == 0, first.stdout
+    for rank in range(2):
+        entries = read(generation_path(tmp_path / "a", rank, 10))[1]["servers"]
+        assert entries and any(bool(e["residual"].any()) for e in entries)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    generation_path(tmp_path / "b", 0, 10).unlink()
+    sums = []
+    for folder in ("a", "b"):
+        rerun = bpslaunch(*_job(tmp_path / folder, 2, 20)[3:], timeout=200, env=env)
+        assert rerun.returncode == 0, rerun.stdout
+        assert re.search(rf"resuming from step 10 \(.*worker{0 if folder == 'a' else 1}-step00000010\.pt\)",
+                         rerun.stdout), rerun.stdout
+        sums.append(sorted(re.findall(r"checksum step (\d+): (\w+)", rerun.stdout)))
+    assert sums[0] == sums[1] and len(sums[0]) == 2 * 10

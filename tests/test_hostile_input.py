@@ -66,6 +66,7 @@ def _hostile_messages(honest_key):
     rows = [bytes(f) for f in wire.encode(wire.Op.PUSH, key=999, round=0, sender=1,
                                           payload=create("adtopk", ratio=0.1).compress(dead, "x", 0))]
     assert msgpack.unpackb(rows[0])["rowset"] == "bitmap"
+    dense = create("none").compress(torch.randn(8, 40), "r")
     return {
         "row set": ([*rows[:3], bytes([0b10101011])], "row set bitmap names 5 rows, the metadata says 4"),
         "row count": ([msgpack.packb({**msgpack.unpackb(rows[0]), "rows": 8, "count": 32}), *rows[1:]],
@@ -85,6 +86,14 @@ def _hostile_messages(honest_key):
         "finish rank": (wire.encode(wire.Op.FINISH, sender=7), "sender 7 is not a worker rank"),
         "finish impersonation": (wire.encode(wire.Op.FINISH, sender=0), "bound to another connection"),
         "missing": (push[:2], "needs 2 buffer"),
+        # a checkpoint's residuals, out and in: only the workers' own ranks, bound as pushes are
+        "fetch rank": (wire.encode(wire.Op.FETCH, key=honest_key, sender=7), "sender 7 is not a worker rank"),
+        "fetch data": (wire.encode(wire.Op.FETCH, key=honest_key, sender=7) + push[1:2],
+                       "fetch carries no tensor"),
+        "residual rank": (wire.encode(wire.Op.RESIDUAL, key=honest_key, sender=7, payload=dense),
+                          "sender 7 is not a worker rank"),
+        "residual impersonation": (wire.encode(wire.Op.RESIDUAL, key=honest_key, sender=0, payload=dense),
+                                   "bound to another connection"),
     }
 
 

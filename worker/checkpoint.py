@@ -122,8 +122,9 @@ class Checkpoints:
         rank, workers = bps.rank(), bps.size()
         path = generation_path(self.directory, rank, step)
         try:
-            # worker 0's file holds what the servers hold back from their answers, if anything
-            servers = bps.client().server_residuals() if rank == 0 else None
+            # what the servers hold back from their answers, if anything: in worker 0's file,
+            # and in every file where any worker's copy of a step may be the one resumed
+            servers = bps.client().server_residuals() if rank == 0 or self.every_rank else None
             write(path, model, opt, {**(meta or {}), "job": job, "rank": rank, "step": step,
                                      "workers": workers}, servers)
             failure = None

@@ -160,6 +160,9 @@ class Engine:
         self.on_standin: Callable[[dict], None] | None = None  # the client's, for join()
         # key -> (the round asked, the fetch waiting for its residual); the engine thread's
         self._fetching: dict[int, tuple[int, Fetch]] = {}
+        # key -> the round a residual was put back for, until the key's next answer; the
+        # engine thread's
+        self._restoring: dict[int, int] = {}
         self._seq = itertools.count()
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(ctx, zmq.PULL)
@@ -232,8 +235,9 @@ class Engine:
 
     def fetch_residuals(self, keys: list[int]) -> Fetch:
         """Ask the servers for these keys' residuals as of their next round (a re-sparsifying
-        server's, for a checkpoint), behind every push queued before; the fetch completes
-        once every server answered. Raises as :meth:`submit` does."""
+        server's, for a checkpoint); the fetch completes once every server answered. With a
+        push of this worker still unanswered, its key's server refuses: the round asked has
+        not begun there. Raises as :meth:`submit` does."""
         call = Fetch(keys)
         self._command(Op.FETCH, {"call": call})
         return call
@@ -241,8 +245,8 @@ class Engine:
     def restore_residuals(self, residuals: dict[int, torch.Tensor]) -> threading.Event:
         """Put these residuals back on their servers (a resumed checkpoint's); the event is
         set once they are sent, and a push queued after that goes behind them: the key's
-        round cannot complete before they are in. A server that refuses one refuses every
-        later push of its key, naming why."""
+        round cannot complete before they are in. A server that refuses one ends this
+        worker, naming why, and refuses every later push of its key to the others."""
         sent = threading.Event()
         self._command(Op.RESIDUAL, {"residuals": residuals, "sent": sent})
         return sent
@@ -515,10 +519,23 @@ class Engine:
 
     def _send_residuals(self, residuals: dict[int, torch.Tensor], servers: int) -> None:
         for key, residual in residuals.items():
-            frames = wire.encode(Op.RESIDUAL, key=key, round=self.rounds.get(key, 0), sender=self.rank,
+            rnd = self._restoring[key] = self.rounds.get(key, 0)
+            frames = wire.encode(Op.RESIDUAL, key=key, round=rnd, sender=self.rank,
                                  payload=Dense().compress(residual.detach().cpu(), f"residual {key}"),
                                  **wire.epoch_field(self.epoch))
             self._send_to(server_of(key, servers), frames)
+
+    def _on_restored(self, server: int, msg: wire.Message) -> bool:
+        """The server's word on a residual put back (``received``, or its refusal): True
+        where ``msg`` is it. It comes before any word on this worker's pushes of the key
+        (one connection keeps its order). A refusal ends this worker, naming it."""
+        if self._restoring.get(msg.key) != msg.round or msg.op not in (Op.RECEIVED, Op.ERROR):
+            return False
+        del self._restoring[msg.key]
+        if msg.op == Op.ERROR:
+            raise ClusterError(f"server {server} refused the residual put back for key {msg.key} "
+                               f"(a resumed checkpoint's): {msg.extra.get('message')}")
+        return True
 
     def _on_fetched(self, server: int, msg: wire.Message) -> bool:
         """A server's answer to a fetch (its residual, or its refusal): True where ``msg`` is one."""
@@ -547,6 +564,8 @@ class Engine:
         if msg.op == Op.STALL:
             return self._on_stall(server, msg)
         if self._fetching and self._on_fetched(server, msg):
+            return
+        if self._restoring and self._on_restored(server, msg):
             return
         self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
         if msg.op == Op.RECEIVED:
@@ -604,6 +623,7 @@ class Engine:
             calls, self._agreements = list(self._agreements.values()), {}
         calls += [call for _, call in self._fetching.values()]
         self._fetching.clear()
+        self._restoring.clear()
         parts = [p for waiting in self._inflight.values() for p in waiting]
         self._inflight.clear()
         self.outbox.clear()

@@ -320,9 +320,11 @@ class PSClient:
 
     def restore_server_residuals(self, entries: list[dict]) -> None:
         """Put back what :meth:`server_residuals` saved, before this worker's first push of
-        each key (the resumed job's first step), on one worker. An entry that fits no key of
-        this job raises ``ValueError`` naming it; a server that cannot take one (it does not
-        re-sparsify, or the key holds another shape) refuses every push of that key, naming why.
+        each key (the resumed job's first step). An entry that fits no key of this job, or
+        whose residual is not a finite tensor of its dtype, raises ``ValueError`` naming it.
+        A server that cannot take one (it does not re-sparsify, or the key holds another
+        shape) ends this worker's part in the job (its next call raises ``ClusterError``)
+        and refuses every push of that key to the others, naming why.
 
         Example::
 

@@ -89,17 +89,28 @@ def to_restore(entries: object, layout_of: Callable[[str, torch.dtype, tuple], K
         try:
             key, name, part, residual = entry["key"], entry["name"], entry["part"], entry["residual"]
             dtype, shape = getattr(torch, entry["dtype"]), tuple(entry["shape"])
-            if not isinstance(residual, torch.Tensor) or not isinstance(dtype, torch.dtype):
+            if not isinstance(residual, torch.Tensor) or not isinstance(dtype, torch.dtype) \
+                    or not all(type(n) is int and n >= 0 for n in shape):
                 raise TypeError
-            layout = layout_of(name, dtype, shape)
         except (TypeError, KeyError, AttributeError, ValueError):
             raise ValueError(f"a server residual entry must hold key, name, dtype, shape, part "
                              f"and a tensor, got {entry!r:.160}") from None
+        try:
+            layout = layout_of(name, dtype, shape)
+        except (ValueError, RuntimeError) as exc:  # too many partitions, too large a shape
+            raise ValueError(f"the servers' residual of {name!r} names a tensor of shape {shape}, "
+                             f"which cannot be laid out: {exc}") from None
         keys = layout.keys
-        if not (isinstance(part, int) and 0 <= part < len(keys) and keys[part] == key
+        if not (type(part) is int and 0 <= part < len(keys) and keys[part] == key
                 and tuple(residual.shape) == part_shape(layout, part)):
             raise ValueError(f"the servers' residual of {name!r} (partition {part}, key {key}) fits "
                              f"no key of this job: its partitions (BYTEPS_PARTITION_BYTES) differ "
                              f"from the job that saved it")
+        what = f"the servers' residual of {name!r} (partition {part})"
+        if residual.layout != torch.strided or residual.is_meta or residual.dtype != dtype:
+            raise ValueError(f"{what} must be a {dtype} tensor with values, got {residual.dtype} "
+                             f"{residual.layout} on {residual.device}")
+        if not bool(torch.isfinite(residual).all()):
+            raise ValueError(f"{what} holds a NaN or an infinity")
         out[key] = residual
     return out

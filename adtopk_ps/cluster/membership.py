@@ -232,11 +232,11 @@ def partition_rows(shape: tuple[int, ...], element_size: int, partition_bytes: i
     else:
         unit, count = 1, numel
     per = max(1, partition_bytes // (unit * element_size))
-    blocks = [(start, min(per, count - start)) for start in range(0, count, per)]
-    if len(blocks) > 1 << PARTITION_BITS:
-        raise ValueError(f"a tensor of shape {shape} needs {len(blocks)} partitions of "
+    parts = -(-count // per)
+    if parts > 1 << PARTITION_BITS:  # (before the list: a huge shape must not be laid out first)
+        raise ValueError(f"a tensor of shape {shape} needs {parts} partitions of "
                          f"{partition_bytes} bytes; raise BYTEPS_PARTITION_BYTES")
-    return blocks
+    return [(start, min(per, count - start)) for start in range(0, count, per)]
 
 
 def split(tensor: torch.Tensor, blocks: list[tuple[int, int]]) -> list[torch.Tensor]:
