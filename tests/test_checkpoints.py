@@ -339,29 +339,32 @@ def test_a_resumed_run_whose_servers_held_residuals_back_matches_an_uninterrupte
     assert checksums(other.stdout)[5] != want[5]
 
 
+def _refused_on_every_worker(result) -> str:
+    out = result.stdout
+    assert result.returncode != 0 and not checksums(out), out[-3000:]
+    for rank in range(2):
+        assert f"[worker {rank}] worker: CheckpointError: checkpoints refused on every worker" in out, out[-3000:]
+    return out
+
+
 def test_residuals_of_servers_that_held_back_are_refused_by_servers_that_do_not(tmp_path, held_back):
     """A job resumed with servers that do not re-sparsify cannot continue the run it saved:
-    every worker fails at its first step, naming why, and the job ends."""
-    result = _resume_held_back(tmp_path, held_back, env={"BYTEPS_SERVER_COMPRESSOR": ""})
-    out = result.stdout
-    assert result.returncode != 0, out[-3000:]
-    assert not checksums(out), "a worker trained a step"
-    for rank in range(2):
-        assert re.search(rf"\[worker {rank}\] .*worker 0 put back a residual the server cannot hold: a "
-                         rf"residual came for key \d+, but this server does not re-sparsify its answers "
-                         rf"\(BYTEPS_SERVER_COMPRESSOR is not set\)", out), out[-3000:]
+    every worker refuses the checkpoint before its first step, naming why."""
+    out = _refused_on_every_worker(_resume_held_back(tmp_path, held_back,
+                                                     env={"BYTEPS_SERVER_COMPRESSOR": ""}))
+    assert re.search(r"worker 0: the servers' residuals in \S+worker0-step00000004.pt cannot be put back: "
+                     r"server \d refused the residual put back for key \d+: worker 0 put back a residual "
+                     r"the server cannot hold: a residual came for key \d+, but this server does not "
+                     r"re-sparsify its answers \(BYTEPS_SERVER_COMPRESSOR is not set\)", out), out[-3000:]
 
 
 def test_servers_residuals_of_other_partitions_are_refused_on_every_worker_naming_the_tensor(tmp_path,
                                                                                            held_back):
-    result = _resume_held_back(tmp_path, held_back, env={**HELD_BACK, "BYTEPS_PARTITION_BYTES": "4096"})
-    out = result.stdout
-    assert result.returncode != 0 and not checksums(out), out[-3000:]
-    assert re.search(r"worker 0: \S+worker0-step00000004.pt is foreign: does not fit this model or "
-                     r"optimizer: the servers' residual of '[\w.]+' \(partition \d+, key \d+\) fits no "
-                     r"key of this job: its partitions \(BYTEPS_PARTITION_BYTES\) differ", out), out[-3000:]
-    for rank in range(2):
-        assert f"[worker {rank}] worker: CheckpointError: checkpoints refused on every worker" in out
+    out = _refused_on_every_worker(_resume_held_back(
+        tmp_path, held_back, env={**HELD_BACK, "BYTEPS_PARTITION_BYTES": "4096"}))
+    assert re.search(r"worker 0: the servers' residuals in \S+worker0-step00000004.pt cannot be put back: "
+                     r"the servers' residual of '[\w.]+' \(partition \d+, key \d+\) fits no key of this "
+                     r"job: its partitions \(BYTEPS_PARTITION_BYTES\) differ", out), out[-3000:]
 
 
 def _resumed(tmp_path, runs, setup):

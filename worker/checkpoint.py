@@ -326,10 +326,13 @@ def load_into(path: Path, model: nn.Module, opt: torch.optim.Optimizer) -> str |
     try:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        if "servers" in state:  # (worker 0's) before any push of the resumed job
-            bps.client().restore_server_residuals(state["servers"])
     except Exception as exc:
         return f"{path} is foreign: does not fit this model or optimizer: {str(exc).splitlines()[0]}"
+    try:
+        if "servers" in state:  # before any push of the resumed job
+            bps.client().restore_server_residuals(state["servers"])
+    except (ValueError, PushPullError, TimeoutError) as exc:
+        return f"the servers' residuals in {path} cannot be put back: {str(exc).splitlines()[0]}"
     return None
 
 

@@ -34,7 +34,7 @@ from adtopk_ps import wire
 from adtopk_ps.client.credit import Outbox
 from adtopk_ps.client.handle import Handle
 from adtopk_ps.client.ledger import Ledger
-from adtopk_ps.client.server_residuals import Fetch
+from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
 from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
@@ -159,10 +159,10 @@ class Engine:
         self._reqids = itertools.count(1)
         self.on_standin: Callable[[dict], None] | None = None  # the client's, for join()
         # key -> (the round asked, the fetch waiting for its residual); the engine thread's
-        self._fetching: dict[int, tuple[int, Fetch]] = {}
-        # key -> the round a residual was put back for, until the key's next answer; the
-        # engine thread's
-        self._restoring: dict[int, int] = {}
+        self._fetching: dict[int, tuple[int, Replies]] = {}
+        # key -> (the round a residual was put back for, the call waiting for the server's
+        # word); the engine thread's
+        self._restoring: dict[int, tuple[int, Replies]] = {}
         self._seq = itertools.count()
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(ctx, zmq.PULL)
@@ -233,23 +233,23 @@ class Engine:
             self._commands.append((Op.BLOCKED, reqid, {"waiting": waiting, "withdraw": withdraw}))
         self._poke()
 
-    def fetch_residuals(self, keys: list[int]) -> Fetch:
+    def fetch_residuals(self, keys: list[int]) -> Replies:
         """Ask the servers for these keys' residuals as of their next round (a re-sparsifying
         server's, for a checkpoint); the fetch completes once every server answered. With a
         push of this worker still unanswered, its key's server refuses: the round asked has
         not begun there. Raises as :meth:`submit` does."""
-        call = Fetch(keys)
+        call = Replies(keys)
         self._command(Op.FETCH, {"call": call})
         return call
 
-    def restore_residuals(self, residuals: dict[int, torch.Tensor]) -> threading.Event:
-        """Put these residuals back on their servers (a resumed checkpoint's); the event is
-        set once they are sent, and a push queued after that goes behind them: the key's
-        round cannot complete before they are in. A server that refuses one ends this
-        worker, naming why, and refuses every later push of its key to the others."""
-        sent = threading.Event()
-        self._command(Op.RESIDUAL, {"residuals": residuals, "sent": sent})
-        return sent
+    def restore_residuals(self, residuals: dict[int, torch.Tensor]) -> Replies:
+        """Put these residuals back on their servers (a resumed checkpoint's); the call
+        completes once every server has taken its own, or fails with the first refusal. A
+        push queued after it goes behind them: the key's round cannot complete before they
+        are in. A server that refuses one also refuses every later push of its key."""
+        call = Replies(list(residuals))
+        self._command(Op.RESIDUAL, {"residuals": residuals, "call": call})
+        return call
 
     def _command(self, op: Op, fields: dict) -> None:
         with self.lock:
@@ -382,8 +382,7 @@ class Engine:
                 elif op == Op.FETCH:
                     self._send_fetch(fields["call"], len(servers))
                 elif op == Op.RESIDUAL:
-                    self._send_residuals(fields["residuals"], len(servers))
-                    fields["sent"].set()
+                    self._send_residuals(fields["residuals"], fields["call"], len(servers))
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
@@ -510,16 +509,17 @@ class Engine:
     def _send_to(self, server: int, frames: list) -> None:
         send(self._sockets[server], frames)
 
-    def _send_fetch(self, call: Fetch, servers: int) -> None:
+    def _send_fetch(self, call: Replies, servers: int) -> None:
         for key in list(call.waiting):
             rnd = self.rounds.get(key, 0)
             self._fetching[key] = (rnd, call)
             self._send_to(server_of(key, servers), wire.encode(
                 Op.FETCH, key=key, round=rnd, sender=self.rank, **wire.epoch_field(self.epoch)))
 
-    def _send_residuals(self, residuals: dict[int, torch.Tensor], servers: int) -> None:
+    def _send_residuals(self, residuals: dict[int, torch.Tensor], call: Replies, servers: int) -> None:
         for key, residual in residuals.items():
-            rnd = self._restoring[key] = self.rounds.get(key, 0)
+            rnd = self.rounds.get(key, 0)
+            self._restoring[key] = (rnd, call)
             frames = wire.encode(Op.RESIDUAL, key=key, round=rnd, sender=self.rank,
                                  payload=Dense().compress(residual.detach().cpu(), f"residual {key}"),
                                  **wire.epoch_field(self.epoch))
@@ -528,13 +528,16 @@ class Engine:
     def _on_restored(self, server: int, msg: wire.Message) -> bool:
         """The server's word on a residual put back (``received``, or its refusal): True
         where ``msg`` is it. It comes before any word on this worker's pushes of the key
-        (one connection keeps its order). A refusal ends this worker, naming it."""
-        if self._restoring.get(msg.key) != msg.round or msg.op not in (Op.RECEIVED, Op.ERROR):
+        (one connection keeps its order)."""
+        asked = self._restoring.get(msg.key)
+        if asked is None or asked[0] != msg.round or msg.op not in (Op.RECEIVED, Op.ERROR):
             return False
         del self._restoring[msg.key]
         if msg.op == Op.ERROR:
-            raise ClusterError(f"server {server} refused the residual put back for key {msg.key} "
-                               f"(a resumed checkpoint's): {msg.extra.get('message')}")
+            asked[1].fail(PushPullError(f"server {server} refused the residual put back for key "
+                                        f"{msg.key}: {msg.extra.get('message')}"))
+        else:
+            asked[1].answered(msg.key, None)
         return True
 
     def _on_fetched(self, server: int, msg: wire.Message) -> bool:
@@ -621,7 +624,7 @@ class Engine:
         with self.lock:
             jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
             calls, self._agreements = list(self._agreements.values()), {}
-        calls += [call for _, call in self._fetching.values()]
+        calls += [call for _, call in [*self._fetching.values(), *self._restoring.values()]]
         self._fetching.clear()
         self._restoring.clear()
         parts = [p for waiting in self._inflight.values() for p in waiting]

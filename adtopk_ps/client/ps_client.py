@@ -323,17 +323,15 @@ class PSClient:
         each key (the resumed job's first step). An entry that fits no key of this job, or
         whose residual is not a finite tensor of its dtype, raises ``ValueError`` naming it.
         A server that cannot take one (it does not re-sparsify, or the key holds another
-        shape) ends this worker's part in the job (its next call raises ``ClusterError``)
-        and refuses every push of that key to the others, naming why.
+        shape) refuses it: this raises :class:`PushPullError` naming why, and the server
+        refuses every later push of that key.
 
         Example::
 
             client.restore_server_residuals(state["servers"])
         """
         self.check()
-        sent = self._engine.restore_residuals(to_restore(entries, self._layout_for))
-        while not sent.wait(0.1):  # sent before any push queued from here on
-            self.check()
+        self._engine.restore_residuals(to_restore(entries, self._layout_for)).wait(self.timeout)
 
     def quiesce(self, timeout: float | None = None) -> None:
         """Wait until every push_pull started so far has its answer (or has failed: its own

@@ -21,8 +21,9 @@ import torch
 from adtopk_ps.cluster.membership import KeyLayout
 
 
-class Fetch:
-    """A fetch of some keys' residuals, waiting on the engine thread's answers."""
+class Replies:
+    """Residuals fetched from the servers, or put back on them: one request per key,
+    waiting for each key's reply on the engine thread."""
 
     def __init__(self, keys: list[int]) -> None:
         self.waiting = set(keys)
@@ -33,7 +34,8 @@ class Fetch:
             self._done.set()
 
     def answered(self, key: int, residual: torch.Tensor | None) -> None:
-        """A server's answer for ``key``: its residual, or None where it holds none."""
+        """A server's reply for ``key``: the residual fetched, or None (none held, or one
+        put back taken).""" 
         if residual is not None:
             self.residuals[key] = residual
         self.waiting.discard(key)
@@ -41,16 +43,16 @@ class Fetch:
             self._done.set()
 
     def fail(self, error: BaseException) -> None:
-        """The fetch cannot complete (a server refused it, or the engine ended)."""
+        """The requests cannot complete (a server refused one, or the engine ended)."""
         if self.error is None:
             self.error = error
         self._done.set()
 
     def wait(self, timeout: float) -> dict[int, torch.Tensor]:
-        """The residuals by key once every server answered; raises what failed the fetch,
-        or ``TimeoutError``."""
+        """The residuals fetched, by key, once every server replied; raises what failed the
+        requests, or ``TimeoutError``."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"the servers did not send their residuals of {len(self.waiting)} "
+            raise TimeoutError(f"the servers did not reply for the residuals of {len(self.waiting)} "
                                f"key(s) within {timeout:.1f} s")
         if self.error is not None:
             raise self.error
