@@ -15,7 +15,8 @@ live rows, so it sends about the density's bytes, more than plain ADTopk; its re
 names what it pushed. ADTopk with re-sparsified answers pushes what plain ADTopk does, and
 the servers answer with the top-k of each key's sum (``BYTEPS_SERVER_COMPRESSOR``, with the
 servers' error feedback) instead of the workers' union: at the density
-(``adtopk+server-topk``) or twice as wide as the workers' pushes (``adtopk+server-2x``).
+(``adtopk+server-topk``), or twice or four times as wide as the workers' pushes
+(``adtopk+server-2x``, ``adtopk+server-4x``).
 Layers the policy keeps dense are the same in every run; dense training is the reference.
 
 Every run is stored as one JSON file (summary and curve) in ``--results`` as soon as it ends,
@@ -59,12 +60,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TASKS = {"fashion": ROOT / "configs" / "fashion-cnn.yaml",
          "pysource": ROOT / "configs" / "pysource-transformer.yaml"}
 # every seed, every density
-MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill", "adtopk+server-topk", "adtopk+server-2x"]
+MAIN = ["topk", "adtopk", "adtopk-i", "adtopk+refill", "adtopk+server-topk", "adtopk+server-2x",
+        "adtopk+server-4x"]
 # a method's job flags beyond --compressor
 FLAGS = {"adtopk+refill": ["--set", "compression.refill=true"]}
 # a method's environment for every role, {density} filled in
 ENV = {"adtopk+server-topk": {"BYTEPS_SERVER_COMPRESSOR": "topk:{density}"},
-       "adtopk+server-2x": {"BYTEPS_SERVER_COMPRESSOR": "topk:2x"}}
+       "adtopk+server-2x": {"BYTEPS_SERVER_COMPRESSOR": "topk:2x"},
+       "adtopk+server-4x": {"BYTEPS_SERVER_COMPRESSOR": "topk:4x"}}
 # ADTopk's variants: each runs at the density itself (not at a density matched to ADTopk's
 # bytes) and is compared with plain ADTopk
 VARIANTS = (*FLAGS, *ENV)

@@ -69,8 +69,9 @@ TBF_BURST_BYTES = 256 << 10  # adtopk_ps.testing.netns's tbf bucket
 PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
 RESPARSIFIED = "ps-adtopk+server-topk"  # the servers' answers at the density
 WIDER = "ps-adtopk+server-2x"  # ... at twice the pushes' width
+WIDEST = "ps-adtopk+server-4x"  # ... at four times: not run, projected from WIDER's runs
 # the servers' re-sparsified answers, in pushes: a width of n pushes cuts from W > n
-CAPPED = {RESPARSIFIED: 1.0, WIDER: 2.0}
+CAPPED = {RESPARSIFIED: 1.0, WIDER: 2.0, WIDEST: 4.0}
 SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]  # the fit's, with DDP
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
 PROJECT_LINKS_GBIT = [1, 10, 25, 100]
@@ -351,7 +352,8 @@ def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
 def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
     """The projected systems: each sparse system measured, its keys the client's default
     partitions (re-sparsified answers held to the width their runs show at their largest W,
-    and below it as wide as ps-adtopk's union), and ps-adtopk again with
+    and below it as wide as ps-adtopk's union; at four pushes' width, not run, held to twice
+    the width of the 2x runs), and ps-adtopk again with
     FINER_PARTITION_BYTES (no server carries less than its largest key)."""
     model = runs[0].model
     default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
@@ -361,6 +363,9 @@ def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
         p = out[name]
         union = out["ps-adtopk"].widths if "ps-adtopk" in out else p.widths
         out[name] = replace(p, cap=p.widths[max(p.widths)], widths=union)
+    if WIDER in out:  # twice as wide again: its answers' bytes are what the model knows of it
+        p = out[WIDER]
+        out[WIDEST] = replace(p, system=WIDEST, cap=p.cap * CAPPED[WIDEST] / CAPPED[WIDER])
     finer = largest_key_share(model, FINER_PARTITION_BYTES)
     measured = FINE_KEYS if any(r.system == FINE_KEYS and r.workers == 2 and r.servers == 1
                                 for r in runs) else "ps-adtopk"
