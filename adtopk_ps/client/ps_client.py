@@ -305,8 +305,10 @@ class PSClient:
     def server_residuals(self, timeout: float | None = None) -> list[dict]:
         """What the servers hold back from their answers (``BYTEPS_SERVER_COMPRESSOR``) for
         every key declared so far, as of each key's next round, for a checkpoint; empty where
-        the servers do not re-sparsify. Call it between steps, on one worker: the keys' rounds
-        cannot move on while this worker has not pushed them.
+        the servers do not re-sparsify. Call it between steps, with every push of this worker
+        answered: the keys' rounds cannot move on while this worker has not pushed them, so
+        the residuals are those of the step just taken. A server refuses a key whose round
+        asked has not begun there (this worker's push of it unanswered): ``PushPullError``.
 
         Example::
 
