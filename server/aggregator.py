@@ -202,6 +202,8 @@ class Aggregator:
         self.max_keys, self.max_bytes = max_keys, max_bytes
         self.keys: dict[int, KeyState] = {}
         self.bytes_held = 0
+        # key -> bytes of a residual put back before the key's first push (in bytes_held)
+        self.prepaid: dict[int, int] = {}
 
     def push(self, key: int, round: int, sender: int, payload: Payload,
              owned: bool = False, nonfinite: bool = False) -> Payload | None:
@@ -274,6 +276,16 @@ class Aggregator:
                                f"round {at}")
         if state is not None:
             check_residual(key, payload.shape, payload.dtype, state)
+        else:  # held from now on: it counts against the limits as the key will
+            nbytes = payload.values.numel() * payload.values.element_size()
+            others = self.bytes_held - self.prepaid.get(key, 0)
+            if key not in self.prepaid and len(self.keys) + len(self.prepaid) >= self.max_keys:
+                raise PushRejected(f"a residual for key {key} would exceed the server's limit of "
+                                   f"{self.max_keys} keys")
+            if others + nbytes > self.max_bytes:
+                raise PushRejected(f"the residual of key {key} needs {nbytes} bytes; the server "
+                                   f"holds {others} of its {self.max_bytes} byte limit")
+            self.bytes_held, self.prepaid[key] = others + nbytes, nbytes
         self.resparsify.memory.residuals[residual_name(key)] = \
             payload.values.view(payload.shape).clone()
 
@@ -283,20 +295,21 @@ class Aggregator:
             raise PushRejected(f"sender {sender} is not a worker rank (0..{self.num_workers - 1})")
 
     def _declare(self, key: int, payload: Payload) -> KeyState:
-        if len(self.keys) >= self.max_keys:
+        if len(self.keys) + len(self.prepaid) - (key in self.prepaid) >= self.max_keys:
             raise PushRejected(f"key {key} would exceed the server's limit of {self.max_keys} keys")
         sparse = payload.codec != "dense"
         # two buffers, and a re-sparsifying server's residual for a sparse key
         copies = 3 if sparse and self.resparsify is not None else 2
         nbytes = copies * math.prod(payload.shape) * payload.dtype.itemsize
-        if self.bytes_held + nbytes > self.max_bytes:
-            raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {self.bytes_held} "
+        others = self.bytes_held - self.prepaid.get(key, 0)  # (a residual put back is one copy)
+        if others + nbytes > self.max_bytes:
+            raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {others} "
                                f"of its {self.max_bytes} byte limit")
         state = KeyState(payload.shape, payload.dtype, sparse)
         held = self.resparsify.memory.residuals.get(residual_name(key)) if self.resparsify else None
         if held is not None:  # restored before the key's first push
             check_residual(key, tuple(held.shape), held.dtype, state)
-        self.bytes_held += nbytes
+        self.bytes_held += nbytes - self.prepaid.pop(key, 0)
         self.keys[key] = state
         return state
 

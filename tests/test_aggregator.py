@@ -179,6 +179,30 @@ def test_a_residual_that_cannot_be_held_is_refused_naming_why():
     assert agg.residual(9, 0) is None  # a key never pushed holds nothing
 
 
+def test_residuals_put_back_before_their_keys_count_against_the_limits():
+    """Residuals held for keys no push has declared yet take memory as those keys will:
+    past the limits they are refused, and a key that comes later is charged the rest."""
+    agg = Aggregator(2, resparsify=create("topk", ratio=0.05), max_keys=2, max_bytes=5800)
+    one = create("none").compress(torch.ones(10, 30), "r")  # 1,200 bytes
+    agg.restore(1, 0, one)
+    agg.restore(1, 0, one)  # put back again: charged once
+    assert agg.bytes_held == 1200
+    agg.restore(2, 0, one)
+    with pytest.raises(PushRejected, match="a residual for key 3 would exceed the server's limit of 2 keys"):
+        agg.restore(3, 0, one)
+    with pytest.raises(PushRejected, match="key 4 would exceed the server's limit of 2 keys"):
+        agg.push(4, 0, 0, create("none").compress(torch.ones(2), "t"))
+    p = create("adtopk", ratio=0.3).compress(_ints((10, 30), 0), "t")
+    assert agg.push(1, 0, 0, p) is None  # three copies of 1,200 bytes, one of them paid
+    assert agg.bytes_held == 3 * 1200 + 1200
+    with pytest.raises(PushRejected, match="key 2 needs 3600 bytes; the server holds 3600 of its 5800"):
+        agg.push(2, 0, 0, p)
+    agg = Aggregator(2, resparsify=create("topk", ratio=0.05), max_bytes=1000)
+    with pytest.raises(PushRejected, match="the residual of key 1 needs 1200 bytes; the server holds 0 "
+                                           "of its 1000 byte limit"):
+        agg.restore(1, 0, one)
+
+
 def test_a_residual_put_back_for_a_key_now_pushed_dense_goes_out_with_its_next_answer():
     """A resumed job whose cost model now sends a tensor dense: what the server held back of
     it is not lost, nor held forever; it is added to the next answer."""
