@@ -35,7 +35,7 @@ class Replies:
 
     def answered(self, key: int, residual: torch.Tensor | None) -> None:
         """A server's reply for ``key``: the residual fetched, or None (none held, or one
-        put back taken).""" 
+        put back taken)."""
         if residual is not None:
             self.residuals[key] = residual
         self.waiting.discard(key)
