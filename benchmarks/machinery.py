@@ -2,7 +2,8 @@
 
 One process, one thread, float32 CPU gradients of VGG-16 and BERT-base (their real
 parameter shapes, biases and norms included, random normal values). Each repeat times,
-per element of the gradient set, the parts a worker does every step:
+in CPU seconds (a shared machine's waits for a core are not the machinery's), per
+element of the gradient set, the parts a worker does every step:
 
 - **read-once**: one ``sum()`` over every gradient, the yardstick;
 - **compress+ef**: ADTopk at density 0.01 with error feedback, through the path the
@@ -16,17 +17,17 @@ per element of the gradient set, the parts a worker does every step:
   and the answer is encoded as the server encodes it, then received through a zmq socket;
 - **engine**: the rest of a real step: a :class:`PSClient` pushes the whole set to a real
   server over loopback (1 worker, 1 server: scheduler and server are subprocesses); the
-  client process's CPU time for the step, less its compression (the engine's own
-  ``compress_seconds``) and the encode and decode of that step's pushes and answers, timed
-  here on the same payloads.
+  client process's CPU time for the step (every thread: the caller's, the engine's, zmq's),
+  less its compression (its compressors' calls, timed on the engine thread) and the
+  encode and decode of that step's pushes and answers, timed here on the same payloads.
 
 The parts of one repeat run back to back, their order rotating from repeat to repeat; each
 ratio is a part's time over the read-once of the same repeat. Lines give the median over
-repeats and, in brackets, the repeats' [min, max] (for 5 repeats the median lies within
-it with 94% confidence). The last line is the whole machinery, both models together,
+repeats and, in brackets, the repeats' [min, max] (with 7 repeats the median lies within
+it with 98% confidence, with 5 with 94%). The last line is the whole machinery, both models together,
 over the read-once.
 
-    python benchmarks/machinery.py                  # VGG-16 and BERT-base, 5 repeats
+    python benchmarks/machinery.py                  # VGG-16 and BERT-base, 7 repeats
     python benchmarks/machinery.py --repeats 9 --models vgg16
     python benchmarks/machinery.py --quick          # small stand-ins, for a smoke test
 """
@@ -194,9 +195,11 @@ def read_once(gs: GradientSet) -> float:
 
 
 def timed(call: Callable[[], object]) -> float:
-    started = time.perf_counter()
+    """CPU seconds of ``call`` on this thread: on a shared machine, time the thread waited for
+    a core is not the machinery's."""
+    started = time.thread_time()
     call()
-    return time.perf_counter() - started
+    return time.thread_time() - started
 
 
 class Cluster:
@@ -225,15 +228,45 @@ class Cluster:
             p.wait(10)
 
 
+class CpuTimed(Compressor):
+    """A compressor that counts the CPU seconds its calls take on the thread that makes them
+    (the engine's), so that the engine's step can be told apart from its compression."""
+
+    def __init__(self, inner: Compressor):
+        super().__init__(inner.ratio)
+        self.inner, self.name, self.sparse, self.seconds = inner, inner.name, inner.sparse, 0.0
+
+    def compress(self, tensor: torch.Tensor, name: str, step: int = 0, ratio: float | None = None) -> Payload:
+        return next(self.start([Request(tensor, name, step, ratio)]))
+
+    def start(self, requests: list[Request]):
+        started = time.thread_time()
+        payloads = self.inner.start(requests)
+        self.seconds += time.thread_time() - started
+        return self._each(payloads)
+
+    def _each(self, payloads):
+        while True:
+            started = time.thread_time()
+            payload = next(payloads, None)
+            self.seconds += time.thread_time() - started
+            if payload is None:
+                return
+            yield payload
+
+    def restore(self, answer: torch.Tensor, name: str) -> None:
+        self.inner.restore(answer, name)
+
+
 class EngineStep:
-    """One real step of a gradient set through the cluster's client: its CPU seconds, and the
-    compression seconds the engine counted in them."""
+    """One real step of a gradient set through the cluster's client, and its CPU seconds."""
 
     def __init__(self, cluster: Cluster, gs: GradientSet):
         self.client, self.gs = cluster.client, gs
         policy = SparsificationPolicy(DENSITY)
-        comp = create("adtopk", ratio=DENSITY, ef="vanilla")
-        self.routes = [(f"{gs.name}.{i}", g, None if policy.route(g).dense else comp,
+        self.sparse = CpuTimed(create("adtopk", ratio=DENSITY, ef="vanilla"))
+        self.dense = CpuTimed(Dense())
+        self.routes = [(f"{gs.name}.{i}", g, self.dense if policy.route(g).dense else self.sparse,
                         policy.route(g).ratio) for i, g in enumerate(gs.grads)]
         self.outs = [torch.empty_like(g) for g in gs.grads]
         payloads = compress(gs)  # what one worker's step pushes and gets back (W = 1)
@@ -243,16 +276,17 @@ class EngineStep:
         self.run()  # declares every key; the server allocates its buffers
 
     def run(self) -> tuple[float, float]:
-        before, compressed = time.process_time(), self.client.compress_seconds
-        handles = [self.client.push_pull(g, name, comp, ratio=ratio if comp else None, out=out)
+        """The step's CPU seconds in this process (every thread), and its compression's."""
+        before, compressed = time.process_time(), self.sparse.seconds + self.dense.seconds
+        handles = [self.client.push_pull(g, name, comp, ratio=None if comp is self.dense else ratio, out=out)
                    for (name, g, comp, ratio), out in zip(reversed(self.routes), reversed(self.outs))]
         for h in handles:
             h.wait()
-        return time.process_time() - before, self.client.compress_seconds - compressed
+        return time.process_time() - before, self.sparse.seconds + self.dense.seconds - compressed
 
     def python(self) -> float:
-        """The step's CPU seconds less what the other parts count: compression (the engine's
-        own figure), and the encode and decode of its pushes and answers, timed here."""
+        """The step's CPU seconds less what the other parts count: compression (counted on the
+        engine thread), and the encode and decode of its pushes and answers, timed here."""
         cpu, compressed = self.run()
         coding = timed(lambda: encode(self.gs, self.pushes)) + timed(lambda: decode(self.gs, self.answers, 1))
         return cpu - compressed - coding
@@ -303,12 +337,12 @@ def report(gs: GradientSet, times: dict[str, list[float]]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--repeats", type=int, default=None, help="repeats of every part (default 5; 3 with --quick)")
+    ap.add_argument("--repeats", type=int, default=None, help="repeats of every part (default 7; 3 with --quick)")
     ap.add_argument("--workers", type=int, default=8, help="workers whose selections the answers unite")
     ap.add_argument("--quick", action="store_true", help="small stand-ins of the models (a smoke test)")
     ap.add_argument("--no-engine", action="store_true", help="leave out the engine (no cluster is started)")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (3 if args.quick else 5)
+    repeats = args.repeats or (3 if args.quick else 7)
     torch.set_num_threads(1)
     shapes = QUICK if args.quick else MODELS
     print(f"# machinery per step: 1 thread, ADTopk at {DENSITY} with error feedback, answers of "
