@@ -4,11 +4,21 @@
     DMLC_ROLE=server ... bpslaunch                     # runs the server role
     bpslaunch --local --num-workers 2 --num-servers 2 -- python -m worker --config ...
     bpslaunch keygen DIR                               # a CURVE key pair for PS_CURVE_KEYS
+    DMLC_ROLE=worker ... bpslaunch --colocate-servers python train.py  # and a server beside it
 
 With ``--local`` it starts a scheduler, the servers and the workers on free
 ports and prefixes each line of their output with the role. Server ``i`` gets
 ``PS_SERVER_ID=i``, which it asks the scheduler for as its rank, so the prefix
 names the same server as its own messages do.
+
+``--colocate-servers`` (or ``BYTEPS_COLOCATE_SERVERS=1``) deploys as BytePS does
+without spare machines: a server beside every worker host, so S = W. With
+``--local`` it starts one server per worker; on a worker host it also starts the
+host's server, whose ``PS_SERVER_ID`` is the host's ``DMLC_WORKER_ID``, and
+supervises it with the workers: the host exits with the first failure among them.
+In an elastic job the host's other roles run on without one that failed, as the
+job does; a restarted or joining host cannot bring its server back (servers join
+only as the job starts), so start it without the switch.
 
 Every mode exits with the status of the first process that failed (a death by
 signal N as 128+N, as a shell reports it), 0 when every one succeeded. A usage
@@ -210,7 +220,7 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 def supervise(children: list[Child], grace: float, timeout: float | None,
               workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
               left_behind: Callable[[], list[str]] | None = None,
-              restart: _Restarts | None = None) -> int:
+              restart: _Restarts | None = None, independent: bool = False) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
 
@@ -230,9 +240,14 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     cluster formed is judged when the job ends: no failure where the job went on without it,
     a failure otherwise (one that exits non-zero on its own, say). ``restart``: new processes for such workers, which join
     the running job (:class:`_Restarts`).
+
+    ``independent`` (a colocated worker host of an elastic job): a failure stops nothing but
+    a usage error; the job goes on without the process that failed, so the host's others
+    run to their own end, and the first failure is still the status.
     """
     spare = [c for c in children if c.label.split()[0] in ("worker", "server")]
-    job = _Supervision(children, grace, timeout, spare if left_behind else (), formed, restart)
+    job = _Supervision(children, grace, timeout, spare if left_behind else (), formed, restart,
+                       independent)
     interrupted: list[int] = []
 
     def interrupt(signum, _frame):
@@ -280,8 +295,9 @@ class _Supervision:
 
     def __init__(self, children: list[Child], grace: float, timeout: float | None,
                  spare: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
-                 restart: _Restarts | None = None):
+                 restart: _Restarts | None = None, independent: bool = False):
         self.children, self.grace, self.timeout, self.restart = children, grace, timeout, restart
+        self.independent = independent  # a failure stops no other child: see supervise
         self.spare, self.formed = [id(c) for c in spare], formed  # roles the job can lose
         self.deferred: list[Child] = []  # spare roles that failed: judged at the end
         self.deadline = None if timeout is None else time.monotonic() + timeout
@@ -321,6 +337,9 @@ class _Supervision:
             print(f"[bpslaunch] {child.label} exited with status 2 (a usage or "
                   f"configuration error); stopping the others", file=sys.stderr, flush=True)
             self.term_at = now
+        elif self.running() and self.independent:
+            print(f"[bpslaunch] {child.label} exited with status {child.code}; an elastic job "
+                  f"goes on without it, and so do this host's other roles", file=sys.stderr, flush=True)
         elif self.running():
             print(f"[bpslaunch] {child.label} exited with status {child.code}; waiting up "
                   f"to {self.grace:g} s for the others", file=sys.stderr, flush=True)
@@ -395,10 +414,52 @@ def local_size(environ: Mapping[str, str]) -> int:
     return max(1, torch.cuda.device_count())
 
 
-def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -> int:
-    """Run this host's role from ``DMLC_ROLE``: the scheduler or a server in process, or the command once per local worker."""
+COLOCATE_VARIABLE = "BYTEPS_COLOCATE_SERVERS"
+
+
+def colocating(flag: bool, environ: Mapping[str, str]) -> bool:
+    """Whether servers run beside the workers: ``--colocate-servers``, or
+    ``BYTEPS_COLOCATE_SERVERS=1`` (for pods, whose command line is shared); 0 or unset is off."""
+    raw = environ.get(COLOCATE_VARIABLE, "").strip()
+    if raw not in ("", "0", "1"):
+        raise EnvError(f"environment variable {COLOCATE_VARIABLE}={raw!r} must be 0 or 1")
+    return flag or raw == "1"
+
+
+def colocated_server(env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the server a worker host starts beside its workers: its
+    ``PS_SERVER_ID`` is the host's ``DMLC_WORKER_ID``, so every host runs a different one and
+    there is one per host (``DMLC_NUM_SERVER`` = ``DMLC_NUM_WORKER``).
+
+    Example::
+
+        env = colocated_server({**os.environ, "DMLC_WORKER_ID": "1"})  # PS_SERVER_ID=1
+    """
+    why = f"--colocate-servers ({COLOCATE_VARIABLE}=1) starts one server beside each worker host"
+    if not env.get("DMLC_WORKER_ID", "").strip():
+        raise EnvError(f"{why}, named by the host's DMLC_WORKER_ID, which is not set")
+    host = env_int("DMLC_WORKER_ID", minimum=0, environ=env)
+    hosts, servers = (env_int(v, minimum=1, environ=env) for v in ("DMLC_NUM_WORKER", "DMLC_NUM_SERVER"))
+    if servers != hosts:
+        raise EnvError(f"{why}, so DMLC_NUM_SERVER={servers} must equal DMLC_NUM_WORKER={hosts} "
+                       f"(servers on hosts of their own: leave the switch off)")
+    given = env.get("PS_SERVER_ID", "").strip()
+    if given and given != str(host):
+        raise EnvError(f"{why}: its PS_SERVER_ID is DMLC_WORKER_ID={host}, but PS_SERVER_ID={given} is set")
+    server = {k: v for k, v in env.items() if k not in ("BYTEPS_LOCAL_RANK", "PS_DEVICE_INDEX")}
+    return {**server, "DMLC_ROLE": "server", "PS_SERVER_ID": str(host)}
+
+
+def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None,
+             colocate: bool = False) -> int:
+    """Run this host's role from ``DMLC_ROLE``: the scheduler or a server in process, or the
+    command once per local worker (and, with ``colocate``, the host's server beside them)."""
     env = keep_freed_memory(os.environ if environ is None else environ)
     config = ClusterConfig.from_env(env)  # validates the whole contract up front
+    if colocate and config.role == "server":
+        raise EnvError(f"DMLC_ROLE=server with --colocate-servers ({COLOCATE_VARIABLE}=1): with "
+                       f"it every server runs beside a worker, so a server host would be one too "
+                       f"many; start servers on hosts of their own without the switch")
     if config.role == "scheduler":
         from adtopk_ps.cluster.scheduler import main as scheduler_main
         return scheduler_main()
@@ -412,11 +473,15 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None) -
     if size > 1:
         share_cores(env, size)
     ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract
+    server = colocated_server(env) if colocate else None
     lock = threading.Lock()
-    children = [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
-                      command, {**env, "BYTEPS_LOCAL_RANK": str(rank)}, lock)
-                for rank in range(size)]
-    return supervise(children, config.heartbeat_timeout + 5, None)
+    children = [Child(f"server {server['PS_SERVER_ID']}", _python_module(SERVER_MODULE), server, lock)] \
+        if server else []
+    children += [Child(f"worker {config.worker_id or 0}.{rank}" if size > 1 else "worker",
+                       command, {**env, "BYTEPS_LOCAL_RANK": str(rank)}, lock)
+                 for rank in range(size)]
+    return supervise(children, config.heartbeat_timeout + 5, None,
+                     independent=server is not None and config.elastic)
 
 
 def keygen(argv: Sequence[str]) -> int:
@@ -439,7 +504,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--local", action="store_true", help="run a whole cluster on this host")
     ap.add_argument("--num-workers", type=int, default=2, help="with --local (default 2)")
-    ap.add_argument("--num-servers", type=int, default=1, help="with --local (default 1)")
+    ap.add_argument("--num-servers", type=int, default=None,
+                    help="with --local (default 1, or --num-workers with --colocate-servers)")
+    ap.add_argument("--colocate-servers", action="store_true",
+                    help=f"a server beside every worker, S = W (also {COLOCATE_VARIABLE}=1): with "
+                         f"--local one server per worker; on a worker host (DMLC_ROLE=worker) the "
+                         f"host's server too, PS_SERVER_ID=DMLC_WORKER_ID, which needs "
+                         f"DMLC_NUM_SERVER=DMLC_NUM_WORKER")
     ap.add_argument("--timeout", type=float, default=None,
                     help="with --local: stop the job after this many seconds (status 124)")
     ap.add_argument("--min-workers", type=int, default=None,
@@ -454,7 +525,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
+        colocate = colocating(args.colocate_servers, os.environ)
         if args.local:
+            if colocate and args.num_servers not in (None, args.num_workers):
+                raise EnvError(f"--colocate-servers starts one server per worker: --num-servers "
+                               f"{args.num_servers} contradicts --num-workers {args.num_workers} "
+                               f"(leave --num-servers out)")
+            args.num_servers = args.num_workers if colocate else \
+                (1 if args.num_servers is None else args.num_servers)
             if args.num_workers < 1 or args.num_servers < 1:
                 raise EnvError("--num-workers and --num-servers must be at least 1")
             if not command:
@@ -469,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             environ = None if minimum is None else {**os.environ, "PS_MIN_WORKERS": str(minimum)}
             return run_local(args.num_workers, args.num_servers, command, args.timeout, environ,
                              args.restarts)
-        return run_role(command)
+        return run_role(command, colocate=colocate)
     except EnvError as exc:
         print(f"bpslaunch: {exc}", file=sys.stderr)
         return 2
