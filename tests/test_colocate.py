@@ -133,3 +133,54 @@ def test_a_combination_colocation_cannot_run_exits_2_naming_it(args, env, words)
                             text=True, timeout=60)
     assert result.returncode == 2, result.stdout + result.stderr
     assert words in result.stderr and "[" not in result.stdout, result.stdout + result.stderr
+
+
+# -- elastic jobs: a restarted worker does not restart its server; a host's roles fail alone ----
+
+ELASTIC = {"PS_HEARTBEAT_TIMEOUT_MS": "6000"}  # as tests/test_elastic.py: kills are seen by hang-ups
+
+
+def _done(out: str) -> list[tuple[int, int, str]]:
+    """(step, size, digest) of every worker of elastic_train.py that finished."""
+    return [(int(s), int(n), d) for s, n, d in re.findall(r"done step=(\d+) size=(\d+) digest=(\w+)", out)]
+
+
+def test_local_colocated_restarted_worker_joins_and_its_server_is_not_restarted():
+    result = bpslaunch("--local", "--colocate-servers", "--num-workers", "3", "--min-workers", "2",
+                       "--restarts", "1", "--timeout", "100", "--", sys.executable, ELASTIC_TRAIN,
+                       "--steps", "40", "--kill=1:5", "--step-s=0.15", env=ELASTIC, timeout=130)
+    assert result.returncode == 0, result.stdout[-3000:]
+    # on a loaded machine the job may finish before the restart has imported torch: then it
+    # is stopped unjoined, which is no failure either
+    size = 3 if "joined the running job" in result.stdout else 2
+    done = _done(result.stdout)
+    assert {(step, n) for step, n, _ in done} == {(40, size)} and len(done) == size, result.stdout[-3000:]
+    assert len({digest for *_, digest in done}) == 1, done
+    assert "restarting worker 1 (restart 1 of 1)" in result.stdout
+    assert _serving(result.stdout) == [0, 1, 2], result.stdout[-3000:]  # each started once
+
+
+@pytest.mark.parametrize("victim", ["worker", "server"])
+def test_role_mode_elastic_host_keeps_its_other_role_when_one_dies(victim):
+    """PS_MIN_WORKERS=1: host 1's worker (killed by the program) or its server (killed here)
+    dies; the job re-forms without it and finishes, host 1's other role runs to the job's end,
+    and host 1's bpslaunch then exits with the dead role's status."""
+    kill = ["--kill=1:5"] if victim == "worker" else []
+    command = [sys.executable, ELASTIC_TRAIN, "--steps", "30", "--step-s=0.1", *kill]
+    with _colocated_hosts(command, PS_MIN_WORKERS="1", **ELASTIC) as (scheduler, *hosts):
+        if victim == "server":
+            hosts[1].wait_for(r"\[worker\] worker 1: step 5 ", 120)
+            [server] = role_pids(hosts[1].proc.pid, "server", 1)
+            os.kill(server, signal.SIGKILL)
+        codes = [h.finish(90) for h in (scheduler, *hosts)]
+        outs = [h.out for h in (scheduler, *hosts)]
+    assert codes == [0, 0, 128 + signal.SIGKILL], [out[-2000:] for out in outs]
+    dead, alive = ("worker", "server 1") if victim == "worker" else ("server 1", "worker")
+    assert f"[bpslaunch] {dead} exited with status 137; an elastic job goes on without it" in outs[2]
+    survivors = _done(outs[1] + outs[2])
+    if victim == "worker":  # host 1's server served the job to its end, and was stopped by it
+        assert [(s, n) for s, n, _ in survivors] == [(30, 1)], outs[1][-2000:]
+        assert "[server 1]" in outs[2] and "server 1 shutting down" in outs[2], outs[2][-2000:]
+    else:  # host 1's worker trained on with the one server left
+        assert [(s, n) for s, n, _ in survivors] == [(30, 2), (30, 2)], outs[2][-2000:]
+        assert len({d for *_, d in survivors}) == 1
