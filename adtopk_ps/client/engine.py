@@ -36,7 +36,8 @@ from adtopk_ps.client.handle import Handle
 from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
-from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, server_of, split
+from adtopk_ps.client.slicer import Slicer
+from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, split
 from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
                                          register_timeout, send)
 from adtopk_ps.compression import Compressor, Dense, Request, start_each
@@ -122,8 +123,10 @@ class _Part:
 class Engine:
     """The thread that talks to the scheduler and the servers for one worker."""
 
-    def __init__(self, config: ClusterConfig, ctx: zmq.Context):
+    def __init__(self, config: ClusterConfig, ctx: zmq.Context, slicer: Slicer | None = None):
         self.config, self.ctx = config, ctx
+        # which server each key goes to (the client's; byteps' partitions where it plans none)
+        self.slicer = slicer or Slicer(config.num_servers, config.partition_bytes, config.placement)
         self.size = config.num_workers
         self.rank = -1
         self.servers: list[str] = []
@@ -500,7 +503,7 @@ class Engine:
             frames = wire.encode(Op.PUSH, key=key, round=rnd, sender=self.rank, payload=payload,
                                  **flags, **wire.epoch_field(self.epoch))
             size = sum(memoryview(f).nbytes for f in frames)
-            server = server_of(key, len(servers))
+            server = self.slicer.server_of(key, len(servers))
             self.ledger.add_push(server, size)
             self._inflight.setdefault(key, deque()).append(
                 _Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
@@ -513,7 +516,7 @@ class Engine:
         for key in list(call.waiting):
             rnd = self.rounds.get(key, 0)
             self._fetching[key] = (rnd, call)
-            self._send_to(server_of(key, servers), wire.encode(
+            self._send_to(self.slicer.server_of(key, servers), wire.encode(
                 Op.FETCH, key=key, round=rnd, sender=self.rank, **wire.epoch_field(self.epoch)))
 
     def _send_residuals(self, residuals: dict[int, torch.Tensor], call: Replies, servers: int) -> None:
@@ -523,7 +526,7 @@ class Engine:
             frames = wire.encode(Op.RESIDUAL, key=key, round=rnd, sender=self.rank,
                                  payload=Dense().compress(residual.detach().cpu(), f"residual {key}"),
                                  **wire.epoch_field(self.epoch))
-            self._send_to(server_of(key, servers), frames)
+            self._send_to(self.slicer.server_of(key, servers), frames)
 
     def _on_restored(self, server: int, msg: wire.Message) -> bool:
         """The server's word on a residual put back (``received``, or its refusal): True

@@ -26,7 +26,9 @@ from adtopk_ps.client.engine import Engine
 from adtopk_ps.client.handle import Agreement, Handle
 from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import keys_of, saved, to_restore
-from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, name_id
+from adtopk_ps.client.slicer import Slicer
+from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, make_key, name_id
+from adtopk_ps.cluster.placement import Item, push_bytes
 from adtopk_ps.cluster.transport import ClusterError, security
 from adtopk_ps.compression import Compressor, Dense
 from adtopk_ps.core.dtypes import FLOAT_DTYPES
@@ -64,7 +66,9 @@ class PSClient:
         self._collectives: dict[str, Handle] = {}  # by name, the last collective of each
         self._unnamed: dict[str, int] = {}  # unnamed collectives made so far, by kind
         self._closed = False
-        self._engine = Engine(self.config, self.ctx)
+        self.slicer = Slicer(self.config.num_servers, self.config.partition_bytes,
+                             self.config.placement)
+        self._engine = Engine(self.config, self.ctx, self.slicer)
         self._engine.on_standin = self._stand_in
         try:
             self._engine.start()
@@ -363,11 +367,38 @@ class PSClient:
             self._order.setdefault(name, len(self._order))
         return layout
 
+    def plan(self, tensors: list[tuple[str, torch.Tensor, float | None]]) -> None:
+        """Lay out, as one group, the keys of tensors every worker agreed to push, each
+        given as (name, tensor, density: None where it travels dense): their row ranges
+        spread over every server by the bytes each push moves (``cluster/placement.py``).
+        Every worker must plan the same tensors in the same order; a tensor declared or
+        planned before keeps its keys.
+
+        Example::
+
+            client.plan([("fc.weight", fc.weight, 0.01), ("fc.bias", fc.bias, None)])
+        """
+        items = []
+        for name, tensor, ratio in tensors:
+            _check_pushable(name, tensor)
+            shape = tuple(tensor.shape)
+            if (name, tensor.dtype, shape) not in self._layouts:
+                items.append(Item(self._tensor_id(name, tensor.dtype, shape), shape,
+                                  tensor.element_size(), push_bytes(shape, tensor.element_size(), ratio)))
+        self.slicer.plan(items)
+        for name, tensor, _ in tensors:
+            self._declare(name, tensor)
+
+    @staticmethod
+    def _tensor_id(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+        return name_id(f"{name}|{str(dtype).removeprefix('torch.')}|{shape}")
+
     def _layout_for(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> KeyLayout:
         """The keys a tensor of ``dtype`` and ``shape`` declared as ``name`` has."""
-        tensor_id = name_id(f"{name}|{str(dtype).removeprefix('torch.')}|{shape}")
-        return KeyLayout.of(tensor_id, torch.empty(shape, dtype=dtype, device="meta"),
-                            self.config.partition_bytes)
+        tensor_id = self._tensor_id(name, dtype, shape)
+        blocks = self.slicer.blocks(tensor_id, shape, torch.empty((), dtype=dtype).element_size())
+        return KeyLayout(tensor_id, shape, dtype, blocks,
+                         [make_key(tensor_id, i) for i in range(len(blocks))])
 
     def _priority(self, name: str, priority: int | None) -> int:
         """``priority``, or by declaration order: with a credit window, by need (the first

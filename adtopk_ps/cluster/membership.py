@@ -28,6 +28,8 @@ from adtopk_ps.core.env import EnvError, env_int
 ROLES = ("scheduler", "server", "worker")
 DEFAULT_PARTITION_BYTES = 4096000
 PARTITION_BITS = 16
+#: PS_PLACEMENT's values: keys spread by the bytes they move (placement.py), or byteps' hash
+PLACEMENTS = ("balanced", "hash")
 LOG_LEVELS = (logging.WARNING, logging.INFO, logging.DEBUG)  # by PS_VERBOSE: 0, 1, 2 (or more)
 
 
@@ -52,6 +54,8 @@ class ClusterConfig:
     min_workers: int | None = None
     max_workers: int | None = None
     elastic_timeout: float = 600.0  # PS_ELASTIC_TIMEOUT_S: how long it waits below the minimum
+    # PS_PLACEMENT: "balanced" (agreed tensors cut and spread by bytes) or "hash" (byteps')
+    placement: str = "balanced"
 
     @property
     def elastic(self) -> bool:
@@ -109,6 +113,10 @@ class ClusterConfig:
             if max_workers < num_workers:
                 raise EnvError(f"environment variable PS_MAX_WORKERS={max_workers} must not be "
                                f"below the {num_workers} workers (DMLC_NUM_WORKER x BYTEPS_LOCAL_SIZE)")
+        placement = env.get("PS_PLACEMENT", "").strip().lower() or PLACEMENTS[0]
+        if placement not in PLACEMENTS:
+            raise EnvError(f"environment variable PS_PLACEMENT={env['PS_PLACEMENT']!r} must be "
+                           f"one of {list(PLACEMENTS)}")
         hb_ms = env_int("PS_HEARTBEAT_INTERVAL_MS", 500, minimum=10, environ=env)
         timeout_ms = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, minimum=2 * hb_ms, environ=env)
         return cls(
@@ -128,6 +136,7 @@ class ClusterConfig:
             min_workers=min_workers,
             max_workers=max_workers,
             elastic_timeout=float(env_int("PS_ELASTIC_TIMEOUT_S", 600, minimum=1, environ=env)),
+            placement=placement,
         )
 
     def apply_verbosity(self) -> None:
@@ -262,12 +271,3 @@ class KeyLayout:
     dtype: torch.dtype
     blocks: list[tuple[int, int]]
     keys: list[int]
-
-    @classmethod
-    def of(cls, tensor_id: int, tensor: torch.Tensor, partition_bytes: int) -> "KeyLayout":
-        """The layout of ``tensor`` declared as ``tensor_id``, in partitions of at most
-        ``partition_bytes``."""
-        shape = tuple(tensor.shape)
-        blocks = partition_rows(shape, tensor.element_size(), partition_bytes)
-        keys = [make_key(tensor_id, i) for i in range(len(blocks))]
-        return cls(tensor_id, shape, tensor.dtype, blocks, keys)

@@ -218,6 +218,8 @@ class Scheduler(Reforming):
                 ("num_servers", cfg.num_servers, "DMLC_NUM_SERVER"),
                 # keys are cut by it: two sizes cut one tensor into keys that never match
                 ("partition_bytes", cfg.partition_bytes, "BYTEPS_PARTITION_BYTES"),
+                # the same key would go to different servers
+                ("placement", cfg.placement, "PS_PLACEMENT"),
                 # a role that is not elastic would end the job where the others re-form
                 ("min_workers", cfg.min_workers, "PS_MIN_WORKERS"),
                 ("max_workers", cfg.max_workers, "PS_MAX_WORKERS")):

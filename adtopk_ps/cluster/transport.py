@@ -127,7 +127,8 @@ class SchedulerLink:
         wid = -1 if cfg.worker_id is None else cfg.worker_id
         self._send(Op.REGISTER, role=cfg.role, worker_id=wid, host=cfg.node_host, port=data_port,
                    num_workers=cfg.num_workers, num_servers=cfg.num_servers,
-                   partition_bytes=cfg.partition_bytes, min_workers=cfg.min_workers,
+                   partition_bytes=cfg.partition_bytes, placement=cfg.placement,
+                   min_workers=cfg.min_workers,
                    max_workers=cfg.max_workers, job=os.environ.get("PS_JOB_ID", ""),
                    **self._server_id)
         limit = register_timeout()

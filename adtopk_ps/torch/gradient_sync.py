@@ -573,7 +573,9 @@ class GradientSync:
                 not all(self.compression.dense(n) for n, _ in self._named):
             self._plans.append(Plan(dict.fromkeys(self.compression.routes, Route(True, 1.0)),
                                     f"{fused}1.", every_dense=True))
-        for plan in reversed(self._plans):  # (every worker lays out the same plans in one order)
+        # every worker lays out the same plans in one order: the routes' first, so that the
+        # servers share its keys by the bytes they move; the routes' plan is the one used
+        for plan in [*self._plans, self._plans[0]]:
             self._use_plan(plan)
 
     def _use_plan(self, plan: Plan) -> None:
@@ -597,11 +599,11 @@ class GradientSync:
         c = client()
         lane = DenseLane(self._group, units, c.timeout, c.check, self._lane_device) \
             if self.compression.allreduce else None
-        for name, p in self._named:
-            if id(p) not in bucket_of and (lane is None or name not in dense):
-                c.declare(name, p.detach())
-        for bucket in buckets if lane is None else ():
-            c.declare(bucket.name, bucket.buffer)
+        routes = self.compression.routes
+        c.plan([(name, p.detach(), None if name in dense else routes[name].ratio)
+                for name, p in self._named
+                if id(p) not in bucket_of and (lane is None or name not in dense)]
+               + [(bucket.name, bucket.buffer, None) for bucket in (buckets if lane is None else ())])
         return Layout(buckets, bucket_of, lane)
 
     def _hook_up(self, overlap: bool) -> None:

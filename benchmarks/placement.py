@@ -1,0 +1,87 @@
+"""How evenly the servers share a step's pushes: the balanced placement against byteps' hash.
+
+For VGG-16, ResNet-50 and BERT-base's parameters at S = 4, 8, 64 and 256 servers, from the
+placement code itself (``adtopk_ps.cluster.placement``): the keys each placement makes and
+the busiest server's push bytes over the mean, ADTopk at the density for the tensors the
+default policy sparsifies, dense for the rest. byteps' placement is its 4 MB partitions,
+each on djb2 of its key modulo S. The last line is the balanced placement's worst ratio.
+
+    python benchmarks/placement.py [--ratio 0.01] [--servers 4 8 64 256]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compression import GRADIENT_SETS  # noqa: E402
+
+from adtopk_ps.cluster.membership import (DEFAULT_PARTITION_BYTES, make_key,  # noqa: E402
+                                          partition_rows, server_of)
+from adtopk_ps.cluster.placement import Item, imbalance, loads, plan, push_bytes  # noqa: E402
+from adtopk_ps.compression.policy import SparsificationPolicy  # noqa: E402
+
+MODELS = ("vgg16", "resnet50", "bert-base")
+ELEMENT_SIZE = 4  # float32 gradients
+
+
+def parameters(model: str) -> list[tuple[int, ...]]:
+    """A model's weight shapes with one vector of ``shape[0]`` beside each (its bias or its
+    norm's scale), which the policy sends dense."""
+    weights = GRADIENT_SETS[model]()
+    return [s for w in weights for s in (w, (w[0],))]
+
+
+def items(shapes: list[tuple[int, ...]], ratio: float) -> list[Item]:
+    """Each tensor with the bytes its push moves under the default policy at ``ratio``."""
+    policy = SparsificationPolicy(ratio=ratio)
+    return [Item(i, s, ELEMENT_SIZE,
+                 push_bytes(s, ELEMENT_SIZE, None if policy.is_dense(s, torch.float32) else ratio))
+            for i, s in enumerate(shapes)]
+
+
+def byteps(entries: list[Item], num_servers: int) -> tuple[int, float]:
+    """byteps' placement: (keys, busiest over mean)."""
+    weights, placed = {}, {}
+    for item in entries:
+        blocks = partition_rows(item.shape, item.element_size, DEFAULT_PARTITION_BYTES)
+        count = item.rows[1]
+        for index, (_, length) in enumerate(blocks):
+            key = make_key(item.tensor_id, index)
+            weights[key] = item.weight * length // count if count else 0
+            placed[key] = server_of(key, num_servers)
+    return len(weights), imbalance(loads(weights, placed, num_servers))
+
+
+def balanced(entries: list[Item], num_servers: int) -> tuple[int, float]:
+    """The balanced placement: (keys, busiest over mean)."""
+    p = plan(entries, num_servers, DEFAULT_PARTITION_BYTES)
+    return len(p.weights), imbalance(loads(p.weights, p.assign(num_servers), num_servers))
+
+
+def main(argv: list[str] | None = None) -> float:
+    """Print one line per model and S, and last the balanced placement's worst ratio."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ratio", type=float, default=0.01)
+    parser.add_argument("--servers", type=int, nargs="+", default=[4, 8, 64, 256])
+    args = parser.parse_args(argv)
+    print(f"{'model':<10} {'S':>4} {'byteps keys':>11} {'busiest/mean':>12} "
+          f"{'balanced keys':>13} {'busiest/mean':>12}")
+    worst = 0.0
+    for model in MODELS:
+        entries = items(parameters(model), args.ratio)
+        for num_servers in args.servers:
+            bkeys, bratio = byteps(entries, num_servers)
+            keys, ratio = balanced(entries, num_servers)
+            worst = max(worst, ratio)
+            print(f"{model:<10} {num_servers:>4} {bkeys:>11} {bratio:>11.2f}x {keys:>13} {ratio:>11.3f}x")
+    print(f"worst balanced busiest/mean: {worst:.3f}x")
+    return worst
+
+
+if __name__ == "__main__":
+    main()
