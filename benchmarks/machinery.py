@@ -208,7 +208,8 @@ class Cluster:
     def __init__(self) -> None:
         env = {**os.environ, "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(free_port()),
                "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1", "DMLC_NODE_HOST": "127.0.0.1",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+               "PS_HEARTBEAT_TIMEOUT_MS": "600000"}  # building a gradient set holds the GIL for seconds
         self.procs = [subprocess.Popen([sys.executable, "-m", module], env={**env, "DMLC_ROLE": role},
                                        start_new_session=True, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL, cwd=ROOT)

@@ -44,6 +44,7 @@ typedef struct {
     float *scratch; /* a copy of value (or of maxima) for the selection */
     float *maxima;  /* the largest |x| of each group of the fibre */
     Py_ssize_t *chosen; /* the groups read again (fewer than k) */
+    Py_ssize_t *tied;   /* the groups whose largest |x| is at least t, where ties can lie */
     Py_ssize_t k, size, cap;
 } Candidates;
 
@@ -251,15 +252,19 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
     }
     float threshold = -1.0f;  /* below every |x|: every entry is a candidate */
     float t = -1.0f;
+    Py_ssize_t ties = -1;  /* groups that can hold an entry equal to t (-1: any entry can) */
     c->size = 0;
     if (group_maxima(x, m, g, c->maxima)) {  /* else a NaN: every entry streams through */
         memcpy(c->scratch, c->maxima, sizeof(float) * (size_t)m);
         t = kth_largest(c->scratch, c->scratch + m, m, c->k);
         threshold = t;  /* entries above t first; ties at t fill in below */
         Py_ssize_t groups = 0;
+        ties = 0;
         for (Py_ssize_t j = 0; j < m; j++) {
             c->chosen[groups] = j;
+            c->tied[ties] = j;
             groups += c->maxima[j] > t;
+            ties += c->maxima[j] >= t;
         }
         for (Py_ssize_t row = 0; row < g * m; row += m)
             for (Py_ssize_t q = 0; q < groups; q++)
@@ -272,9 +277,17 @@ static void select_fibre(const float *x, Py_ssize_t n, Candidates *c, int64_t *o
         keep_largest(c);
     /* Fewer than k entries above t: the rest are entries equal to t, the first ones by
      * position, merged in. Reading them one by one as candidates cost a buffer compaction
-     * per 3k entries, and a fibre of zeros (a dead unit's gradient row) is all ties. */
+     * per 3k entries, and a fibre of zeros (a dead unit's gradient row) is all ties. Only
+     * the groups whose largest |x| reaches t can hold one, and what fills no group: those
+     * are read, a row of the groups at a time (in position order), then the rest. */
     Py_ssize_t above = c->size;
-    for (Py_ssize_t i = 0; c->size < c->k && i < n; i++)
+    if (ties >= 0) {
+        for (Py_ssize_t row = 0; c->size < c->k && row < g * m; row += m)
+            for (Py_ssize_t q = 0; c->size < c->k && q < ties; q++)
+                if (fabsf(x[row + c->tied[q]]) == t)
+                    c->pos[c->size++] = row + c->tied[q];
+    }
+    for (Py_ssize_t i = start; c->size < c->k && i < n; i++)
         if (magnitude(x[i]) == t)  /* a NaN past the groups ties with t = inf */
             c->pos[c->size++] = i;
     merge_into(c->pos, above, c->pos + above, c->size - above, out, out_stride);
@@ -530,7 +543,7 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
         free(at);
         return result;
     }
-    Candidates c = {NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
+    Candidates c = {NULL, NULL, NULL, NULL, NULL, NULL, k, 0, 4 * k};
     /* Fibres with groups need the candidates and at most n / 4 + 1 maxima; fibres without
      * (k above n / 16) only a copy of one fibre to select in (select_whole), where
      * candidates for every k would take several times the tensor's size. */
@@ -542,10 +555,11 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     c.maxima = malloc(sizeof(float) * groups);
     c.pos = malloc(sizeof(int64_t) * cap);
     c.chosen = malloc(sizeof(Py_ssize_t) * (grouped ? (size_t)k : 1));
+    c.tied = malloc(sizeof(Py_ssize_t) * groups);
     float *fibre = rest > 1 ? malloc(sizeof(float) * (size_t)n) : NULL;
     PyObject *result = NULL;
     if (c.value == NULL || c.scratch == NULL || c.maxima == NULL || c.pos == NULL ||
-            c.chosen == NULL || (rest > 1 && fibre == NULL)) {
+            c.chosen == NULL || c.tied == NULL || (rest > 1 && fibre == NULL)) {
         PyErr_NoMemory();
     } else {
         Py_BEGIN_ALLOW_THREADS
@@ -558,6 +572,7 @@ static PyObject *run(float *x, const float *grad, float *values, Py_ssize_t lead
     free(c.maxima);
     free(c.pos);
     free(c.chosen);
+    free(c.tied);
     free(fibre);
     return result;
 }
