@@ -41,6 +41,7 @@ import math
 import os
 import pickle
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,7 @@ from adtopk_ps.wire import Op  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
 PLACEMENTS = ("djb2", "balanced")
-PHASE_TIMEOUT_S = 300.0  # the longest a cluster may take to form, warm up or run its rounds
+PHASE_TIMEOUT_S = 600.0  # the longest a cluster may take to form, warm up or run its rounds
 
 
 class Key(NamedTuple):
@@ -497,15 +498,18 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def fit(points: list[dict]) -> dict:
-    """sigma (s per byte in and out) and mu (s per push received) of server CPU per round,
-    non-negative least squares over every server of every run that had keys."""
+def fit(points: list[dict], per_push: bool = True) -> dict:
+    """sigma (s per byte in and out) and, with ``per_push``, mu (s per push received) of
+    server CPU per round, non-negative least squares over every server of every run that had
+    keys; how many points it puts within 15% and its worst error."""
     import numpy as np
     from scipy.optimize import nnls
     rows = [(s["in"] + s["out"], s["pushes"], s["cpu_s"]) for s in points if s["pushes"]]
-    (sigma, mu), _ = nnls(np.array([r[:2] for r in rows]), np.array([r[2] for r in rows]))
+    terms = np.array([r[:2] if per_push else r[:1] for r in rows])
+    found, _ = nnls(terms, np.array([r[2] for r in rows]))
+    sigma, mu = float(found[0]), float(found[1]) if per_push else 0.0
     errors = [float((sigma * b + mu * p) / c - 1) for b, p, c in rows if c > 0]
-    return {"sigma_s_per_byte": float(sigma), "mu_s_per_push": float(mu), "points": len(rows),
+    return {"sigma_s_per_byte": sigma, "mu_s_per_push": mu, "points": len(rows),
             "within_15pct": sum(abs(e) <= 0.15 for e in errors),
             "worst_error": max(errors, key=abs, default=0.0)}
 
@@ -582,12 +586,17 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="keep each run's recording and answers under this folder")
+    ap.add_argument("--report", help="print the report of a stored run (--json) and exit")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--answers", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.drive:
         return drive(args)
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run's processes end with it
     torch.set_num_threads(1)
     configs = sorted({(w, int(s.replace("W/4", str(max(1, w // 4))))) for w in args.workers
                       for s in args.servers})
@@ -606,7 +615,7 @@ def main() -> int:
           "without: " + ", ".join(f"W={w}: {unions['pushes'][w]:.4f} | {unions['without feedback'][w]:.4f}"
                                   for w in unions["pushes"]), flush=True)
     print("\n".join(HEADER), flush=True)
-    rows, points, checked = [], [], 0
+    rows, checked = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(args.keep or tmp)
         for w, s in configs:
@@ -618,30 +627,40 @@ def main() -> int:
                     scratch.mkdir(parents=True, exist_ok=True)
                     recording = scratch / "recording.pkl"
                     with open(recording, "wb") as f:
-                        pickle.dump({"keys": [k._asdict() for k in layouts[name]], "pushes": [p for p in pushes[name][:w]]}, f)
+                        pickle.dump({"keys": [k._asdict() for k in layouts[name]],
+                                     "pushes": pushes[name][:w]}, f)
                     run = run_once(recording, layouts[name], w, s, args, scratch)
                     for answers in run.pop("answers").values():
                         checked += check_answers(pushes[name], layouts[name], w, answers)
                     runs.append(run)
-                    points += run["per_server"]
-                text, row = summary_row(w, s, how, runs)
-                print(text, flush=True)
-                rows.append({**row, "runs": runs})
-    fitted = fit(points)
-    print(f"\nevery answer exact ({checked} checked, each within float32's rounding of the sum "
-          f"of the pushes replayed)")
-    print(f"server CPU fit over {fitted['points']} server points: sigma = "
-          f"{1e9 * fitted['sigma_s_per_byte']:.3f} ns per byte in and out, mu = "
-          f"{1e6 * fitted['mu_s_per_push']:.1f} us per push received; within 15%: "
-          f"{fitted['within_15pct']} of {fitted['points']}, worst {fitted['worst_error']:+.0%}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "config": str(args.config.relative_to(ROOT) if args.config.is_absolute() and
-                          ROOT in args.config.parents else args.config),
-            "at": args.at, "steps": args.steps, "feedback_steps": args.feedback_steps,
-            "ratio": args.ratio, "shapes": shapes, "unions": unions, "answers_checked": checked,
-            "fit": fitted, "rows": rows}, indent=1) + "\n")
+                print(summary_row(w, s, how, runs)[0], flush=True)
+                rows.append({"workers": w, "servers": s, "placement": how, "runs": runs})
+                data = {"config": args.config.name, "at": args.at, "steps": args.steps,
+                        "feedback_steps": args.feedback_steps, "ratio": args.ratio, "shapes": shapes,
+                        "unions": unions, "answers_checked": checked, "rows": rows}
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
+    print("\n" + report(data))
     return 0
+
+
+def report(data: dict) -> str:
+    """The report of a stored run (``--json``): the table, the answers checked and the
+    server-CPU fits, with and without a cost per push."""
+    rows = [summary_row(r["workers"], r["servers"], r["placement"], r["runs"]) for r in data["rows"]]
+    points = [p for r in data["rows"] for run in r["runs"] for p in run["per_server"]]
+    lines = [*HEADER, *(text for text, _ in rows), "",
+             f"Every answer exact: {data['answers_checked']} checked, each within float32's "
+             f"rounding of the sum of the pushes replayed.", ""]
+    for per_push in (True, False):
+        f = fit(points, per_push)
+        lines.append(f"Server CPU per round fit over {f['points']} server points: "
+                     f"sigma = {1e9 * f['sigma_s_per_byte']:.3f} ns per byte in and out"
+                     + (f", mu = {1e6 * f['mu_s_per_push']:.1f} us per push received" if per_push else
+                        " (no cost per push)")
+                     + f"; within 15%: {f['within_15pct']} of {f['points']}, worst "
+                     f"{f['worst_error']:+.0%}.")
+    return "\n".join(lines)
 
 
 def sparsified_shapes(config: Path) -> dict[str, tuple[int, ...]]:
