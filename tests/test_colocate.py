@@ -160,27 +160,32 @@ def test_local_colocated_restarted_worker_joins_and_its_server_is_not_restarted(
     assert _serving(result.stdout) == [0, 1, 2], result.stdout[-3000:]  # each started once
 
 
-@pytest.mark.parametrize("victim", ["worker", "server"])
-def test_role_mode_elastic_host_keeps_its_other_role_when_one_dies(victim):
-    """PS_MIN_WORKERS=1: host 1's worker (killed by the program) or its server (killed here)
-    dies; the job re-forms without it and finishes, host 1's other role runs to the job's end,
-    and host 1's bpslaunch then exits with the dead role's status."""
+@pytest.mark.parametrize("victim", ["worker", "server", "host"])
+def test_role_mode_elastic_job_goes_on_without_a_hosts_role_or_the_host(victim):
+    """PS_MIN_WORKERS=1: host 1's worker (killed by the program), its server, or its whole
+    bpslaunch (a lost host: both roles die with it) is killed at step 5; the job re-forms
+    without it and finishes. On a live host the other role runs to the job's end, and host
+    1's bpslaunch then exits with the dead role's status."""
     kill = ["--kill=1:5"] if victim == "worker" else []
-    command = [sys.executable, ELASTIC_TRAIN, "--steps", "30", "--step-s=0.1", *kill]
+    command = [sys.executable, ELASTIC_TRAIN, "--steps", "20", "--step-s=0.1", *kill]
     with _colocated_hosts(command, PS_MIN_WORKERS="1", **ELASTIC) as (scheduler, *hosts):
-        if victim == "server":
+        if victim != "worker":
             hosts[1].wait_for(r"\[worker\] worker 1: step 5 ", 120)
-            [server] = role_pids(hosts[1].proc.pid, "server", 1)
-            os.kill(server, signal.SIGKILL)
+            [pid] = role_pids(hosts[1].proc.pid, "server", 1) if victim == "server" else [hosts[1].proc.pid]
+            os.kill(pid, signal.SIGKILL)
         codes = [h.finish(90) for h in (scheduler, *hosts)]
         outs = [h.out for h in (scheduler, *hosts)]
-    assert codes == [0, 0, 128 + signal.SIGKILL], [out[-2000:] for out in outs]
-    dead, alive = ("worker", "server 1") if victim == "worker" else ("server 1", "worker")
-    assert f"[bpslaunch] {dead} exited with status 137; an elastic job goes on without it" in outs[2]
+    lost = -signal.SIGKILL if victim == "host" else 128 + signal.SIGKILL
+    assert codes == [0, 0, lost], [out[-2000:] for out in outs]
     survivors = _done(outs[1] + outs[2])
-    if victim == "worker":  # host 1's server served the job to its end, and was stopped by it
-        assert [(s, n) for s, n, _ in survivors] == [(30, 1)], outs[1][-2000:]
-        assert "[server 1]" in outs[2] and "server 1 shutting down" in outs[2], outs[2][-2000:]
-    else:  # host 1's worker trained on with the one server left
-        assert [(s, n) for s, n, _ in survivors] == [(30, 2), (30, 2)], outs[2][-2000:]
+    if victim == "server":  # host 1's worker trained on with the one server left
+        assert "[bpslaunch] server 1 exited with status 137; an elastic job goes on" in outs[2]
+        assert [(s, n) for s, n, _ in survivors] == [(20, 2), (20, 2)], outs[2][-2000:]
         assert len({d for *_, d in survivors}) == 1
+        return
+    assert [(s, n) for s, n, _ in survivors] == [(20, 1)], outs[1][-2000:]
+    if victim == "worker":  # host 1's server served the job to its end, and was stopped by it
+        assert "[bpslaunch] worker exited with status 137; an elastic job goes on" in outs[2]
+        assert "server 1 shutting down" in outs[2], outs[2][-2000:]
+    else:
+        assert re.search(r"server 1 \(tcp://[\d.:]+\) lost", outs[0]), outs[0][-2000:]
