@@ -1,13 +1,15 @@
 """The scale study: step time, bytes, the answers' width and each server's load measured at
 W = 2, 4 and 8 workers and S = 1, 2 and 4 servers on shaped links, a model of the step
-(benchmarks/step_model.py) validated against every measured point, and its projection to
-16-256 workers on 1-100 Gbit/s links.
+(benchmarks/step_model.py) validated against every measured point and the load generator's
+servers, and its projection (benchmarks/scale_projection.py) to VGG-16, ResNet-50 and
+BERT-base on 8-256 GPU workers and 10-100 Gbit/s links.
 
     sudo python benchmarks/scale.py --link 100mbit   # run what is missing, then report
     sudo python benchmarks/scale.py --link 1gbit     # the same on faster links
     sudo python benchmarks/scale.py --report         # the model and the report only
 
-The model is fit on the W=2 runs of every link stored, and the report covers them all.
+The model is fit on the W=2 runs of every link stored, with the servers' CPU from the load
+generator's figures (--loadgen), and the report covers them all.
 
 Every role is a host of its own (a network namespace; adtopk_ps/testing/netns.py), every
 link shaped to --link by tc. Each point is one run of the e2e benchmark's worker
@@ -27,8 +29,8 @@ from each server and the width of the servers' answers.
 The machine this runs on has few cores: with W workers and S servers on it, compute and
 compression slow down as the processes share them. The model takes those two terms from
 the run itself (measured, not predicted), and predicts what scale changes: the pushes, the
-servers' sums and the answers. The projection takes them from the W=2, S=1 run instead,
-as a cluster with a machine per role would have them.
+servers' sums and the answers. The projection takes compute and compression from a GPU
+worker (--gpu-batch, --gpu-tflops) and the rest from the fit.
 """
 from __future__ import annotations
 
@@ -132,9 +134,15 @@ def main() -> None:
     ap.add_argument("--results", default=str(ROOT / "docs" / "scale-runs"))
     ap.add_argument("--union", default=str(ROOT / "docs" / "scale-runs" / "union.json"),
                     help="benchmarks/union_density.py --json's unions, to grow answers beyond W=8")
+    ap.add_argument("--loadgen", default=str(ROOT / "docs" / "loadgen.json"),
+                    help="benchmarks/loadgen.py --json's figures: the servers' CPU a byte and a push")
+    ap.add_argument("--gpu-batch", type=int, default=32, help="projected: samples a GPU worker's step")
+    ap.add_argument("--gpu-tflops", type=float, default=30.0,
+                    help="projected: a GPU worker's forward and backward rate, TFLOP/s")
     ap.add_argument("--out", default=str(ROOT / "docs"))
     ap.add_argument("--report", action="store_true", help="only model and report what is stored")
     args = ap.parse_args()
+    args.gpu_tflops *= 1e12
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the namespaces are deleted

@@ -1,61 +1,62 @@
 """A model of one training step, for the scale study (benchmarks/scale.py): fit on the W=2
-runs, validated on every run, and projected to large clusters.
+runs, checked on every run and on the load generator's servers, and projected to large
+clusters (benchmarks/scale_projection.py).
 
 A PS step without overlap is compute, compression, then communication:
 
-    step = compute + compress + max(push, answer) + server + decode + fixed
+    step = compute + compress + max(link, keys chi + kappa a) + server + fixed
 
-* push: each worker sends its ``p`` bytes, a share ``p_j`` to server ``j``; server ``j``
-  receives ``W p_j``, so the busier of the worker's and the busiest server's link sets it:
-  ``max(p, W max_j p_j) / rate``.
-* answer: the same for what comes back, whose size ``a`` is the answers' width (the union of
-  the workers' selections): ``max(a, W max_j a_j) / rate``. Pushes go into a server and
-  answers out of it, the two directions of its link, and a server answers each key as soon
-  as its pushes are in: with a step's several keys, the two overlap, and the longer one
-  sets the pace.
+* link: each worker sends its ``p`` bytes, a share ``p_j`` to server ``j``; server ``j``
+  receives ``W p_j``, so the busier of the worker's and the busiest server's link sets it,
+  ``max(p, W max_j p_j)``; the same for the answers, of ``a`` bytes (the answers' width is
+  the union of the workers' selections). Pushes go into a server and answers out of it, the
+  two directions of its link, and a server answers each key as soon as its pushes are in:
+  the longer direction sets the pace. Over ``rate``, plus one hop each way.
+* the worker's own work while its bytes travel: the engine's Python for each key (``chi``)
+  and decoding the answers (``kappa`` per byte). It runs while the link carries the other
+  keys, so the longer of the two sets the pace (with the sum, the finer keys' runs at
+  100 Mbit/s were 30-40% high: their extra keys' Python hides behind the link there).
+* server: the busiest server's CPU, ``sigma`` per byte it takes in and sends and ``mu`` per
+  push it receives, and with ``BYTEPS_SERVER_COMPRESSOR`` its top-k over its share of the
+  sparsified elements, ``rho`` each. ``sigma`` and ``mu`` come from the load generator's
+  real servers under 16-64 workers (benchmarks/loadgen.py --json), where it has run;
+  otherwise ``sigma`` is fit with the rest and ``mu`` is 0.
 * Where the links are shaped by tbf (kernels without netem), each direction of a link that
   idled through compute and compression sends a bucket's worth ``F = min(burst, rate
-  (compute + compress))`` at once: every link term above, and the ring's, is less ``F``.
-  netem has no bucket but a delay (``hop``, one way).
-* server: the busiest server's CPU per byte it takes in and sends, ``sigma W max_j (p_j + a_j)``,
-  and with ``BYTEPS_SERVER_COMPRESSOR`` its top-k over its share of the sparsified
-  elements, ``rho N_j``.
-* decode: the worker's CPU per byte of answer, ``kappa a``.
-* fixed: per-step costs that do not grow with bytes (one round trip, Python, keys), ``tau``.
+  (compute + compress))`` at once: every link term is less ``F``. netem has no bucket but a
+  delay (``hop``, one way).
+* fixed: per-step costs that do not grow with bytes or keys, ``tau``.
 
-A DDP step (torch DDP on gloo, one ring all-reduce of ``B`` bytes) is
+A DDP step (torch DDP on gloo) all-reduces its gradient in buckets (1 MiB first, then
+25 MiB, in reverse parameter order), each starting once backward has produced it and the
+bucket before it is done; backward is taken as two thirds of compute, its time spent on
+each weight in proportion to that weight's multiply-adds (benchmarks/layer_profile.py), so a
+bucket of a model's last layers goes out while the first ones are still differentiated. A
+bucket takes ``2 (W-1)/W B / rate + 2 (W-1) hop``; the step ends when both backward and the
+last bucket are done, plus ``tau_ring``.
 
-    step = compute + 2 (W-1)/W B / rate + 2 (W-1) hop + tau_ring
-
-``rate`` is the link's rate less TCP/IP/Ethernet headers; ``hop`` a one-way latency, the
-configured netem delay in the measurement. ``sigma``, ``kappa``, ``rho``, ``tau`` and
-``tau_ring`` are fit (least squares, non-negative) on the W=2 runs only; every run is then predicted
-and the error shown. Compute and compression are taken from each run itself: on the
-measuring machine W+S processes share a few cores, which slows both, and that sharing is
-not what a cluster with a machine per role would see.
-
-The projection takes compute, compression, the push and the constants from the W=2, S=1
-runs, spreads keys over the servers as evenly as they go (no server carries less than the
-largest key; ps-adtopk with keys of FINER_PARTITION_BYTES, where run, is held out of the
-fit, and what its W=2 runs take beyond the model is added to its projected steps), and
-grows the answer with W along the union measured on real gradients
-(``benchmarks/union_density.py --json``): the run's own width up to the largest W
-measured, then that curve's growth. Where the union passes half a tensor, the server sends
-it dense. With ``BYTEPS_SERVER_COMPRESSOR`` the answer grows as ADTopk's union does up to
-the width the servers hold it to, as its runs show it at their largest W: the density
-(``topk:0.01``), or twice the pushes' width (``topk:2x``, which cuts nothing at W=2). The
-runs at the density are in the fit; those at twice the pushes' width are held out of it,
-as the finer keys' are.
+``rate`` is the link's rate less TCP/IP/Ethernet headers. ``kappa``, ``rho``, ``tau``, ``chi``
+(and ``sigma`` without the load generator) are fit (least squares on the relative errors,
+non-negative) on the W=2 runs only, the finer keys' included (they are what shows ``chi``);
+``tau_ring`` on the W=2 DDP runs of the fastest link. Every run is then predicted and the
+error shown. Compute and compression are taken from each run itself: on the measuring
+machine W+S processes share two cores, which slows both; a point whose workers' compute ran
+more than SATURATED times as long as in its link's W=2, S=1 runs had its CPU saturated, and
+the report says so beside it (its CPU work waited for cores that a cluster's would not).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
-from dataclasses import dataclass, replace
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from adtopk_ps.cluster.membership import DEFAULT_PARTITION_BYTES
 
@@ -66,18 +67,18 @@ WIRE_OVERHEAD = (1448 + 52 + 14) / 1448
 COO_BYTES = 8
 NETEM_HOP_S = 2 * 0.2e-3  # netns.hosts' links: 0.2 ms at the host's port and at the switch's
 TBF_BURST_BYTES = 256 << 10  # adtopk_ps.testing.netns's tbf bucket
-PROJECTED_HOP_S = 25e-6  # one way through a datacenter switch, TCP, assumed
 RESPARSIFIED = "ps-adtopk+server-topk"  # the servers' answers at the density
 WIDER = "ps-adtopk+server-2x"  # ... at twice the pushes' width
-WIDEST = "ps-adtopk+server-4x"  # ... at four times: not run, projected from WIDER's runs
 # the servers' re-sparsified answers, in pushes: a width of n pushes cuts from W > n
-CAPPED = {RESPARSIFIED: 1.0, WIDER: 2.0, WIDEST: 4.0}
-SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]  # the fit's, with DDP
-PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
-PROJECT_LINKS_GBIT = [1, 10, 25, 100]
-NEAR_BEST = 1.05  # "servers needed": the fewest within this of one server per worker
+CAPPED = {RESPARSIFIED: 1.0, WIDER: 2.0}
+SPARSE_SYSTEMS = ["ps-topk", "ps-adtopk", RESPARSIFIED]
 FINER_PARTITION_BYTES = 256 << 10  # the second key size (BYTEPS_PARTITION_BYTES)
 FINE_KEYS = "ps-adtopk+256k-keys"  # ps-adtopk with keys of FINER_PARTITION_BYTES
+FITTED = [*SPARSE_SYSTEMS, FINE_KEYS]  # the fit's PS systems (WIDER is held out)
+SATURATED = 1.3  # a run's compute over its link's W=2, S=1 compute past which its CPU was
+DDP_FIRST_BUCKET = 1 << 20  # torch DDP's first bucket, and the rest's cap (bucket_cap_mb=25)
+DDP_BUCKET = 25 << 20
+BACKWARD_SHARE = 2 / 3  # of forward + backward
 
 
 def rate_of(link: str) -> float:
@@ -87,6 +88,18 @@ def rate_of(link: str) -> float:
         if link.endswith(unit):
             return float(link[:-len(unit)]) * scale / 8 / WIRE_OVERHEAD
     raise ValueError(f"link {link!r}: expected a tc rate such as 1gbit")
+
+
+@functools.cache
+def key_count(model: str, partition_bytes: int) -> int:
+    """The keys a worker pushed each step in the stored runs: every parameter in byteps'
+    partitions of ``partition_bytes`` (the runs predate the balanced placement)."""
+    from adtopk_ps.cluster.membership import partition_rows
+    from adtopk_ps.testing.systems import MODELS
+    from worker.models import build
+    arch, spec, _ = MODELS[model]
+    return sum(len(partition_rows(tuple(t.shape), t.element_size(), partition_bytes))
+               for t in build(arch, spec).parameters())
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,7 @@ class Run:
     link: str  # their tc rate
     cores: int  # the measuring machine's
     model: str  # benchmarks' MODELS name
+    keys: int  # keys this worker pushed a step
 
     @classmethod
     def of(cls, record: dict) -> "Run":
@@ -118,6 +132,10 @@ class Run:
         pulled = {int(s): n for s, n in record.get("pulled_per_step", {}).items()}
         servers = set(pushed) | set(pulled)
         dense_share = record["dense"][2] if "dense" in record else 1.0
+        keys = record.get("keys")
+        if keys is None and record["system"] != "ddp-dense":
+            keys = key_count(record["model"], FINER_PARTITION_BYTES if record["system"] == FINE_KEYS
+                             else DEFAULT_PARTITION_BYTES)
         return cls(record["system"], record["workers"], record["servers"], record["step_s"],
                    record["compute_s"], record.get("compress_s", 0.0), sum(pushed.values()),
                    sum(pulled.values()),
@@ -125,7 +143,7 @@ class Run:
                    max(pushed.values(), default=0.0), max(pulled.values(), default=0.0),
                    record.get("answer_density"), record["params"],
                    round(record["params"] * (1 - dense_share)), record["shaper"], record["link"],
-                   record["cores"], record["model"])
+                   record["cores"], record["model"], keys or 0)
 
     @property
     def rate(self) -> float:
@@ -135,20 +153,36 @@ class Run:
 @dataclass(frozen=True)
 class Constants:
     sigma: float  # server seconds per byte it takes in and sends
+    mu: float  # server seconds per push it receives
     kappa: float  # worker seconds per byte of answer
     rho: float  # server seconds per element it re-sparsifies
-    tau: float  # seconds per PS step that no byte count explains
-    tau_ring: float  # the same for a DDP step
+    tau: float  # seconds per PS step that no byte or key count explains
+    chi: float  # worker seconds per key a step
+    tau_ring: float  # the same as tau for a DDP step
+    server_from: str = "fit"  # where sigma and mu came from
 
 
-def ps_terms(r: Run) -> tuple[float, list[float]]:
-    """(what the model knows of a PS step, the coefficients of sigma, kappa, rho and tau)."""
-    w, free, rate = r.workers, bucket(r), r.rate
-    link = max(0.0, r.push - free, w * r.push_max - free,
-               r.answer - free, w * r.answer_max - free) / rate
-    # the busiest server's share of the sparsified elements, taken as its share of the push
-    resparsified = r.sparse_elements * r.push_max / r.push if resparsifies(r.system, w) else 0.0
-    return r.compute + r.compress + link + 2 * hop(r), [w * r.busiest, r.answer, resparsified, 1.0]
+@dataclass(frozen=True)
+class ServerCost:
+    """sigma and mu as the load generator measured them (benchmarks/loadgen.py --json)."""
+
+    sigma: float
+    mu: float
+    source: str
+
+    @classmethod
+    def load(cls, path: Path) -> "ServerCost | None":
+        if not path.exists():
+            return None
+        fit = json.loads(path.read_text())["fit"]
+        return cls(fit["sigma_s_per_byte"], fit["mu_s_per_push"], path.name)
+
+
+def link_seconds(r: Run) -> float:
+    """The busier direction of the busier link, less a tbf bucket, over the rate."""
+    w, free = r.workers, bucket(r)
+    return max(0.0, r.push - free, w * r.push_max - free,
+               r.answer - free, w * r.answer_max - free) / r.rate
 
 
 def bucket(r: Run) -> float:
@@ -166,129 +200,82 @@ def resparsifies(system: str, workers: int) -> bool:
     return system in CAPPED and CAPPED[system] < workers
 
 
-def ring_terms(r: Run) -> float:
-    """What the model knows of a DDP step (all but tau_ring)."""
-    w = r.workers
-    sent = 2 * (w - 1) / w * 4 * r.params
-    return r.compute + max(0.0, sent - bucket(r)) / r.rate + 2 * (w - 1) * hop(r)
+def ps_step(r: Run, c: Constants) -> float:
+    """The model's PS step for a measured run (see the module's docstring)."""
+    share = r.push_max / r.push if r.push else 1.0  # the busiest server's, keys and elements
+    resparsified = r.sparse_elements * share if resparsifies(r.system, r.workers) else 0.0
+    server = c.sigma * r.workers * r.busiest + c.mu * r.workers * r.keys * share + c.rho * resparsified
+    return (r.compute + r.compress + max(link_seconds(r), c.chi * r.keys + c.kappa * r.answer)
+            + 2 * hop(r) + server + c.tau)
 
 
-def fit(runs: list[Run]) -> Constants:
-    """sigma, kappa, rho and tau by non-negative least squares on the W=2 PS runs (of every
-    link: the faster ones show the CPU's costs, the slower ones the links'); tau_ring as the
-    mean residual of the W=2 DDP runs on the fastest link (on a slow one, a 1% error in the
-    rate alone outweighs it)."""
-    from scipy.optimize import nnls
-    # (finer keys are held out: what they cost beyond the default's keys is what they test)
-    ps = [r for r in runs if r.system in SPARSE_SYSTEMS and r.workers == 2]
-    rows = [ps_terms(r) for r in ps]
-    a = np.array([coef for _, coef in rows])
-    b = np.array([r.step - known for r, (known, _) in zip(ps, rows)])
-    (sigma, kappa, rho, tau), _ = nnls(a, b)
-    ddp = [r for r in runs if r.system == "ddp-dense" and r.workers == 2]
-    fastest = max((r.rate for r in ddp), default=None)
-    ring = [r.step - ring_terms(r) for r in ddp if r.rate == fastest]
-    return Constants(sigma, kappa, rho, tau, max(0.0, statistics.mean(ring)) if ring else 0.0)
+def ring_step(tensors: list, compute: float, w: int, rate: float, hop_s: float,
+              free: float = 0.0) -> float:
+    """Forward, then backward with DDP's buckets all-reduced as they become ready (see the
+    module's docstring), less ``free`` bytes a tbf bucket sends at once; ``tensors`` are
+    layer_profile.Tensor in forward order. Without tau_ring.
+
+    Example::
+
+        ring_step(layer_profile.tensors("vgg16"), 0.1, 64, rate_of("10gbit"), 25e-6)
+    """
+    forward = compute * (1 - BACKWARD_SHARE)
+    backward = compute - forward
+    total = sum(t.macs for t in tensors) or 1.0
+    clock, buckets, size, cap = forward, [], 0, DDP_FIRST_BUCKET
+    for t in reversed(tensors):
+        clock += backward * t.macs / total
+        size += 4 * t.numel
+        if size >= cap:
+            buckets.append((clock, size))
+            size, cap = 0, DDP_BUCKET
+    if size:
+        buckets.append((clock, size))
+    end = forward
+    for ready, nbytes in buckets:
+        sent = max(0.0, 2 * (w - 1) / w * nbytes - free)
+        free = max(0.0, free - 2 * (w - 1) / w * nbytes)
+        end = max(ready, end) + sent / rate + 2 * (w - 1) * hop_s
+    return max(end, forward + backward)
+
+
+@functools.cache
+def measured_tensors(model: str) -> list:
+    from layer_profile import measured
+    return measured(model)
+
+
+def ddp_step(r: Run) -> float:
+    return ring_step(measured_tensors(r.model), r.compute, r.workers, r.rate, hop(r), bucket(r))
 
 
 def predict(r: Run, c: Constants) -> float:
-    if r.system == "ddp-dense":
-        return ring_terms(r) + c.tau_ring
-    known, (busy, answer, resparsified, one) = ps_terms(r)
-    return known + c.sigma * busy + c.kappa * answer + c.rho * resparsified + c.tau * one
+    return ddp_step(r) + c.tau_ring if r.system == "ddp-dense" else ps_step(r, c)
 
 
-# ---- the projection -------------------------------------------------------------------------
+def fit(runs: list[Run], server: ServerCost | None = None) -> Constants:
+    """kappa, rho, tau and chi (and sigma without ``server``) by least squares on the relative
+    errors of the W=2 PS runs of every link (the faster ones show the CPU's costs, the slower
+    ones the links'), non-negative; tau_ring as the mean residual of the W=2 DDP runs on the
+    fastest link (on a slow one, a 1% error in the rate alone outweighs it)."""
+    from scipy.optimize import least_squares
+    ps = [r for r in runs if r.system in FITTED and r.workers == 2]
+    scale = np.array([1e-9, 1e-9, 1e-3, 1e-4, 1e-9])
 
-@dataclass(frozen=True)
-class Profile:
-    """One system's per-worker figures from the W=2, S=1 runs, and how its answer grows."""
+    def constants(x: np.ndarray) -> Constants:
+        kappa, rho, tau, chi, sigma = x * scale
+        if server:
+            return Constants(server.sigma, server.mu, kappa, rho, tau, chi, 0.0, server.source)
+        return Constants(sigma, 0.0, kappa, rho, tau, chi, 0.0)
 
-    system: str
-    compute: float
-    compress: float
-    push: float
-    answer_fixed: float  # answer bytes that are not the union's (dense tensors, headers)
-    sparse_elements: int  # elements of the sparsified tensors
-    widths: dict[int, float]  # W -> the answers' width, measured up to the largest W run
-    # the largest key's share of the sparsified elements: no server carries less, however
-    # many there are
-    floor: float
-    # seconds per step beyond what the model fit on the default keys says (held-out runs,
-    # such as finer keys: what their extra keys cost)
-    extra: float = 0.0
-    # the width re-sparsifying servers hold the answers to (``widths`` is then the union)
-    cap: float | None = None
-
-
-def largest_key_share(model: str, partition_bytes: int) -> float:
-    """The largest key's share of a model's sparsified elements, as the client partitions its
-    tensors (benchmarks' MODELS, the e2e systems' partial-sparsification policy)."""
-    from adtopk_ps.cluster.membership import partition_rows
-    from adtopk_ps.compression import SparsificationPolicy
-    from adtopk_ps.testing.systems import MODELS
-    from worker.models import build
-    arch, spec, _ = MODELS[model]
-    net = build(arch, spec)
-    routes = SparsificationPolicy(0.01).plan(net.named_parameters())
-    keys = [length * (t.numel() // t.shape[0] if t.dim() >= 2 else 1)
-            for name, t in net.named_parameters() if not routes[name].dense
-            for _, length in partition_rows(tuple(t.shape), t.element_size(), partition_bytes)]
-    return max(keys) / sum(keys)
-
-
-def profile(runs: list[Run], system: str, floor: float) -> Profile:
-    base = [r for r in runs if r.system == system and r.workers == 2 and r.servers == 1]
-    mine = [r for r in runs if r.system == system]
-    widths = {w: statistics.mean(r.width for r in mine if r.workers == w)
-              for w in sorted({r.workers for r in mine})}
-    # the answer's bytes are COO_BYTES per element of the union, and a fixed part
-    fixed = statistics.mean(r.answer - COO_BYTES * r.width * r.sparse_elements for r in mine)
-    return Profile(system, statistics.mean(r.compute for r in base),
-                   statistics.mean(r.compress for r in base), statistics.mean(r.push for r in base),
-                   max(0.0, fixed), mine[0].sparse_elements, widths, floor)
-
-
-def width_at(p: Profile, w: int, growth: dict[int, float] | None) -> float:
-    """The answers' width at ``w`` workers: measured where run, else grown along ``growth``
-    (W -> union on real gradients) from the largest W run; no wider than ``p.cap``."""
-    if p.cap is not None:
-        return min(p.cap, width_at(replace(p, cap=None), w, growth))
-    if w in p.widths:
-        return p.widths[w]
-    top = max(p.widths)
-    if growth is None or w not in growth or top not in growth:
-        raise ValueError(f"no union growth known from W={top} to W={w}: run "
-                         "benchmarks/union_density.py --json (see --union)")
-    return p.widths[top] * growth[w] / growth[top]
-
-
-def answer_bytes(p: Profile, width: float) -> float:
-    """Sparse while the union is under half a tensor, dense (4 bytes an element) beyond."""
-    return p.answer_fixed + p.sparse_elements * min(COO_BYTES * width, 4.0)
-
-
-def project_ps(p: Profile, c: Constants, w: int, s: int, rate: float, width: float) -> float:
-    a = answer_bytes(p, width)
-    share = max(1 / s, p.floor)  # the busiest server's, with keys placed as evenly as they can be
-    link = max(p.push, w * p.push * share, a, w * a * share) / rate
-    resparsified = p.sparse_elements * share if resparsifies(p.system, w) else 0.0
-    return p.compute + p.compress + link + c.sigma * w * (p.push + a) * share + c.kappa * a + \
-        c.rho * resparsified + c.tau + p.extra + 2 * PROJECTED_HOP_S
-
-
-def project_ring(compute: float, params: int, c: Constants, w: int, rate: float) -> float:
-    return compute + 2 * (w - 1) / w * 4 * params / rate + 2 * (w - 1) * PROJECTED_HOP_S + c.tau_ring
-
-
-def servers_needed(p: Profile, c: Constants, w: int, rate: float, width: float) -> tuple[int, float]:
-    """The fewest servers (powers of two up to W) whose step is within NEAR_BEST of W servers',
-    and that step."""
-    best = project_ps(p, c, w, w, rate, width)
-    s = 1
-    while project_ps(p, c, w, s, rate, width) > NEAR_BEST * best:
-        s *= 2
-    return s, project_ps(p, c, w, s, rate, width)
+    x0 = np.array([2.0, 1.0, 5.0, 3.0, 0.5])
+    solved = least_squares(lambda x: [ps_step(r, constants(x)) / r.step - 1 for r in ps], x0,
+                           bounds=(0, np.inf), xtol=1e-12, ftol=1e-12, gtol=1e-12)
+    c = constants(solved.x)
+    ddp = [r for r in runs if r.system == "ddp-dense" and r.workers == 2]
+    fastest = max((r.rate for r in ddp), default=None)
+    ring = [r.step - ddp_step(r) for r in ddp if r.rate == fastest]
+    return Constants(**{**c.__dict__, "tau_ring": max(0.0, statistics.mean(ring)) if ring else 0.0})
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -298,176 +285,78 @@ def spread(values: list[float]) -> str:
 
 
 def report(records: list[dict], args: argparse.Namespace) -> str:
+    """The whole report: the fit, every measured point against it, the load generator's
+    servers against it, and the projection (scale_projection.py)."""
+    import scale_projection
     runs = [Run.of(r) for r in records]
-    c = fit(runs)
+    server = ServerCost.load(Path(args.loadgen))
+    c = fit(runs, server)
     params = runs[0].params
     links = sorted({r.link for r in runs}, key=rate_of)
+    origin = (f"from the load generator ({c.server_from}, `python benchmarks/loadgen.py --json "
+              f"docs/loadgen.json`)" if server else "fit with the rest (no load generator figures)")
     lines = ["# Scale: the step model, measured and projected", "",
              f"Made by `sudo python benchmarks/scale.py --link L` for L = {', '.join(links)}, then "
              f"`python benchmarks/scale.py --report` ({len(runs)} runs stored in "
              f"`{Path(args.results).name}`; {args.model}, {params / 1e6:.1f} M parameters, batch "
              f"{args.batch} per worker, density {args.ratio}). The model is "
-             "benchmarks/step_model.py's. Times in ms: mean over the trials (lowest-highest).", "",
+             "benchmarks/step_model.py's, its projection benchmarks/scale_projection.py's. Times "
+             "in ms: mean over the trials (lowest-highest).", "",
              "## Measured against the model", "",
-             f"Fit on the W=2 runs of every link: server {c.sigma * 1e9:.2f} ns per byte, worker "
-             f"{c.kappa * 1e9:.2f} ns per byte of answer, server re-sparsification "
-             f"{c.rho * 1e9:.2f} ns per element, {1000 * c.tau:.2f} ms per PS step, "
-             f"{1000 * c.tau_ring:.2f} ms per DDP step. \"per core\": the run's processes "
-             "(workers, servers and the scheduler) over the measuring machine's cores.", ""]
+             f"Server CPU {origin}: {c.sigma * 1e9:.2f} ns per byte in and out and "
+             f"{c.mu * 1e6:.1f} µs per push received. Fit on the W=2 runs of every link: worker "
+             f"{c.kappa * 1e9:.2f} ns per byte of answer, {c.chi * 1e3:.3f} ms per key, server "
+             f"re-sparsification {c.rho * 1e9:.2f} ns per element, {1000 * c.tau:.2f} ms per PS "
+             f"step, {1000 * c.tau_ring:.2f} ms per DDP step. \"per core\": the run's processes "
+             "(workers, servers and the scheduler) over the measuring machine's cores; "
+             f"\"slowed\": its compute over its link's W=2, S=1 compute, and \"saturated\" past "
+             f"{SATURATED}x: the workers' own forward and backward waited for cores, and so did "
+             "every other CPU term.", ""]
     for link in links:
-        lines += validation(link, [r for r in runs if r.link == link], c)
-    lines += projection(runs, c, args)
+        lines += validation(link, [r for r in runs if r.link == link], runs, c)
+    lines += scale_projection.loadgen_check(Path(args.loadgen), c, Path(args.union), args.ratio)
+    lines += scale_projection.projection(c, args)
     return "\n".join(lines)
 
 
-def validation(link: str, runs: list[Run], c: Constants) -> list[str]:
-    """The measured points of one link against the model, and how many it has within 15%."""
-    lines = [f"### Links of {link} ({runs[0].shaper})", "",
-             "| W | S | per core | system | step | model | error | compute | compress | push MB "
-             "| answer MB | answer width | busiest server MB in+out |",
-             "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    errors = []
-    for w, s, system in sorted({(r.workers, r.servers, r.system) for r in runs}):
-        mine = [r for r in runs if (r.workers, r.servers, r.system) == (w, s, system)]
-        steps = [r.step for r in mine]
-        model = statistics.mean(predict(r, c) for r in mine)
+def slowdown(points: list[Run], runs: list[Run]) -> float:
+    """A point's compute over the W=2, S=1 compute of its link (every system's)."""
+    alone = [r.compute for r in runs if r.link == points[0].link and r.workers == 2 and r.servers == 1]
+    return statistics.mean(r.compute for r in points) / statistics.mean(alone)
+
+
+def validation(link: str, mine: list[Run], runs: list[Run], c: Constants) -> list[str]:
+    """The measured points of one link against the model, and how many it has within 15%
+    where the CPU was not saturated, and where it was."""
+    lines = [f"### Links of {link} ({mine[0].shaper})", "",
+             "| W | S | per core | slowed | system | step | model | error | compute | compress "
+             "| push MB | answer MB | answer width | busiest server MB in+out |",
+             "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    errors = {True: [], False: []}
+    for w, s, system in sorted({(r.workers, r.servers, r.system) for r in mine}):
+        points = [r for r in mine if (r.workers, r.servers, r.system) == (w, s, system)]
+        steps = [r.step for r in points]
+        model = statistics.mean(predict(r, c) for r in points)
         error = model / statistics.mean(steps) - 1
-        errors.append(error)
+        slowed = slowdown(points, runs)
+        errors[slowed > SATURATED].append(error)
         sparse = system != "ddp-dense"
         processes = w + (s + 1 if sparse else 0)
         lines.append(
-            f"| {w} | {s if sparse else '-'} | {processes / mine[0].cores:.1f} | {system} | "
-            f"{spread(steps)} | {1000 * model:.0f} | {error:+.0%} | {spread([r.compute for r in mine])} | "
-            + (f"{1000 * statistics.mean(r.compress for r in mine):.0f} | "
-               f"{statistics.mean(r.push for r in mine) / 1e6:.3f} | "
-               f"{statistics.mean(r.answer for r in mine) / 1e6:.3f} | "
-               f"{statistics.mean(r.width for r in mine):.4f} | "
-               f"{w * statistics.mean(r.busiest for r in mine) / 1e6:.2f} |" if sparse
+            f"| {w} | {s if sparse else '-'} | {processes / points[0].cores:.1f} | {slowed:.1f}x"
+            f"{' saturated' if slowed > SATURATED else ''} | {system} | {spread(steps)} | "
+            f"{1000 * model:.0f} | {error:+.0%} | {spread([r.compute for r in points])} | "
+            + (f"{1000 * statistics.mean(r.compress for r in points):.0f} | "
+               f"{statistics.mean(r.push for r in points) / 1e6:.3f} | "
+               f"{statistics.mean(r.answer for r in points) / 1e6:.3f} | "
+               f"{statistics.mean(r.width for r in points):.4f} | "
+               f"{w * statistics.mean(r.busiest for r in points) / 1e6:.2f} |" if sparse
                else "- | - | - | - | - |"))
-    within = sum(abs(e) <= 0.15 for e in errors)
-    worst = max(errors, key=abs)
-    return lines + ["", f"Within 15%: {within} of {len(errors)} points; the largest error {worst:+.0%}.", ""]
-
-
-def profiles_of(runs: list[Run], c: Constants) -> dict[str, Profile]:
-    """The projected systems: each sparse system measured, its keys the client's default
-    partitions (re-sparsified answers held to the width their runs show at their largest W,
-    and below it as wide as ps-adtopk's union; at four pushes' width, not run, held to twice
-    the width of the 2x runs), and ps-adtopk again with
-    FINER_PARTITION_BYTES (no server carries less than its largest key)."""
-    model = runs[0].model
-    default = largest_key_share(model, DEFAULT_PARTITION_BYTES)
-    out = {s: profile(runs, s, default) for s in [*SPARSE_SYSTEMS, WIDER]
-           if any(r.system == s for r in runs)}
-    for name in set(CAPPED) & set(out):
-        p = out[name]
-        union = out["ps-adtopk"].widths if "ps-adtopk" in out else p.widths
-        out[name] = replace(p, cap=p.widths[max(p.widths)], widths=union)
-    if WIDER in out:  # twice as wide again: its answers' bytes are what the model knows of it
-        p = out[WIDER]
-        out[WIDEST] = replace(p, system=WIDEST, cap=p.cap * CAPPED[WIDEST] / CAPPED[WIDER])
-    finer = largest_key_share(model, FINER_PARTITION_BYTES)
-    measured = FINE_KEYS if any(r.system == FINE_KEYS and r.workers == 2 and r.servers == 1
-                                for r in runs) else "ps-adtopk"
-    if any(r.system == measured for r in runs):
-        fine = profile(runs, measured, finer)
-        held_out = [r.step - predict(r, c) for r in runs if r.system == FINE_KEYS and r.workers == 2]
-        if held_out:
-            fine = replace(fine, extra=statistics.mean(held_out))
-        out[f"ps-adtopk, {FINER_PARTITION_BYTES >> 10} KiB keys"] = fine
-    return out
-
-
-def projected(runs: list[Run], c: Constants, profiles: dict[str, Profile], args: argparse.Namespace) -> dict:
-    """(Gbit/s, W) -> system -> (step, servers, answer width), for every system the runs
-    allow (a sparse system with no union curve beyond the W it ran, only up to there)."""
-    growth = load_growth(Path(args.union), args.ratio) if Path(args.union).exists() else None
-    params = runs[0].params
-    compute = statistics.mean(r.compute for r in runs if r.workers == 2 and r.servers == 1)
-    out: dict = {}
-    for gbit in PROJECT_LINKS_GBIT:
-        rate = rate_of(f"{gbit}gbit")
-        for w in PROJECT_WORKERS:
-            row = out[(gbit, w)] = {"ring all-reduce": (project_ring(compute, params, c, w, rate), None, None)}
-            for name, p in profiles.items():
-                try:
-                    width = width_at(p, w, growth.get(p.system.split("+")[0]) if growth else None)
-                except ValueError:
-                    continue
-                s, step = servers_needed(p, c, w, rate, width)
-                row[name] = (step, s, width)
-    return out
-
-
-def projection(runs: list[Run], c: Constants, args: argparse.Namespace) -> list[str]:
-    profiles = profiles_of(runs, c)
-    found = projected(runs, c, profiles, args)
-    systems = list(profiles)
-    lines = ["## Projected", "",
-             f"Each role on a machine of its own, links of 1-100 Gbit/s, {PROJECTED_HOP_S * 1e6:.0f} µs "
-             "one way per hop. Every PS system has the servers it needs (the fewest, in powers "
-             f"of two, within {NEAR_BEST - 1:.0%} of one server per worker; in brackets), with its keys "
-             "placed as evenly as they go: no server carries less than the largest key "
-             f"({', '.join(f'{n}: {p.floor:.0%}' for n, p in profiles.items())} of the sparsified "
-             "elements). Step in ms, and against the ring all-reduce (DDP dense).", "",
-             "| Gbit/s | W | ring all-reduce | " + " | ".join(systems) + " | fastest |",
-             "|---:|---:|---:|" + "---:|" * len(systems) + "---|"]
-    for (gbit, w), row in found.items():
-        ring = row["ring all-reduce"][0]
-        cells = [f"{1000 * row[n][0]:.0f} (S={row[n][1]}) {ring / row[n][0]:.2f}x" if n in row else "-"
-                 for n in systems]
-        best = min(row, key=lambda n: row[n][0])
-        lines.append(f"| {gbit} | {w} | {1000 * ring:.0f} | " + " | ".join(cells) + f" | {best} |")
-    lines += ["", "What the answer's growth costs: each sparse system's projected step with its "
-              "answer as wide as the union at W, against the same step with the answer as wide "
-              "as at W=2 (its servers as above).", "",
-              "| Gbit/s | W | system | answer width | step | with W=2's width | growth costs |",
-              "|---:|---:|---|---:|---:|---:|---:|"]
-    for (gbit, w), row in found.items():
-        for name in systems:
-            p = profiles[name]
-            if name not in row or p.cap is not None or 2 not in p.widths:
-                continue
-            step, s, width = row[name]
-            narrow = project_ps(p, c, w, s, rate_of(f"{gbit}gbit"), p.widths[2])
-            lines.append(f"| {gbit} | {w} | {name} | {width:.4f} | {1000 * step:.0f} | "
-                         f"{1000 * narrow:.0f} | {step / narrow - 1:+.0%} |")
-    chart(found, systems, Path(args.out) / "scale-model.png")
-    return lines + ["", "![projected steps](scale-model.png)", ""]
-
-
-def chart(found: dict, systems: list[str], path: Path) -> None:
-    """Projected step against W, one panel per link; none (said so) without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(f"scale benchmark: no chart ({path.name}): matplotlib is not installed", flush=True)
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    links = sorted({g for g, _ in found})
-    fig, axes = plt.subplots(1, len(links), figsize=(4 * len(links), 3.8), sharey=False)
-    for ax, gbit in zip(axes, links):
-        for name in ["ring all-reduce", *systems]:
-            points = [(w, row[name][0]) for (g, w), row in found.items() if g == gbit and name in row]
-            if points:
-                ax.plot([w for w, _ in points], [1000 * t for _, t in points], marker="o", label=name)
-        ax.set(xscale="log", xlabel="workers", ylabel="step (ms)", title=f"{gbit} Gbit/s")
-        ax.set_xticks(PROJECT_WORKERS, [str(w) for w in PROJECT_WORKERS])
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def load_growth(path: Path, density: float) -> dict[str, dict[int, float]]:
-    """system ("ps-topk", "ps-adtopk") -> W -> union at ``density``, from union_density.py
-    --json."""
-    data = json.loads(path.read_text())
-    if str(density) not in data:
-        raise ValueError(f"{path}: no unions at density {density} (it has {sorted(data)})")
-    return {f"ps-{name}": {int(w): u for w, u in curve.items()}
-            for name, curve in data[str(density)].items()}
-
+    lines.append("")
+    for saturated, found in errors.items():
+        if found:
+            worst = max(found, key=abs)
+            lines.append(f"{'Saturated' if saturated else 'Not saturated'}: within 15% at "
+                         f"{sum(abs(e) <= 0.15 for e in found)} of {len(found)} points; the "
+                         f"largest error {worst:+.0%}.")
+    return lines + [""]
