@@ -174,8 +174,13 @@ class ServerCost:
     def load(cls, path: Path) -> "ServerCost | None":
         if not path.exists():
             return None
-        fit = json.loads(path.read_text())["fit"]
-        return cls(fit["sigma_s_per_byte"], fit["mu_s_per_push"], path.name)
+        data = json.loads(path.read_text())
+        if "fit" in data:
+            fitted = data["fit"]
+        else:  # the load generator's own fit over every server of every run stored
+            from loadgen import fit as server_fit
+            fitted = server_fit([p for row in data["rows"] for r in row["runs"] for p in r["per_server"]])
+        return cls(fitted["sigma_s_per_byte"], fitted["mu_s_per_push"], path.name)
 
 
 def link_seconds(r: Run) -> float:
