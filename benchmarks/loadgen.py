@@ -586,7 +586,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="keep each run's recording and answers under this folder")
-    ap.add_argument("--report", help="print the report of a stored run (--json) and exit")
+    ap.add_argument("--report", nargs="+",
+                    help="print the report of stored runs (--json; several pooled) and exit")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--answers", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -594,7 +595,9 @@ def main() -> int:
     if args.drive:
         return drive(args)
     if args.report:
-        print(report(json.loads(Path(args.report).read_text())))
+        stored = [json.loads(Path(path).read_text()) for path in args.report]
+        print(report({**stored[0], "rows": [r for d in stored for r in d["rows"]],
+                      "answers_checked": sum(d["answers_checked"] for d in stored)}))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run's processes end with it
     torch.set_num_threads(1)
