@@ -3,13 +3,16 @@
  *
  * The buffer is all zeros when a sparse round starts, so a position is new to the round
  * exactly when its entry is still zero as a value lands there; add() lists those. Reading
- * the answer, take_nonzero() takes each listed entry that is nonzero and zeroes it, which also
- * skips a position listed twice (its sum went back to zero and was touched again) and
- * leaves the buffer clean for the next round. No sort, no scan of the whole key.
+ * the answer, take_nonzero() takes each listed entry that is nonzero, in ascending position
+ * order, and zeroes it, which also skips a position listed twice (its sum went back to zero
+ * and was touched again) and leaves the buffer clean for the next round. No scan of the whole
+ * key.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The index types a payload may carry; int32 and int64 are signed. Each loop below is
  * written once per type, so the type is not looked at per entry. */
@@ -99,7 +102,18 @@ static PyObject *add(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(m);
 }
 
-/* take_nonzero(buf, numel, listed, count, positions, values) -> how many nonzero sums were read */
+static int ascending(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* take_nonzero(buf, numel, listed, count, positions, values) -> how many nonzero sums were read.
+ * They are read in ascending position order (a worker's scatter of the answer then walks its
+ * buffer forwards): through a bitmap of the listed positions where its words are no more than
+ * 4 per listed position (one pass setting bits, one walking them in order), else by sorting a
+ * copy of the list, which is then short beside the key; either way in time proportional to
+ * what was listed. */
 static PyObject *take_nonzero(PyObject *self, PyObject *args)
 {
     unsigned long long buf_addr, listed_addr, pos_addr, values_addr;
@@ -119,16 +133,37 @@ static PyObject *take_nonzero(PyObject *self, PyObject *args)
             return NULL;
         }
     }
-    Py_ssize_t m = 0;
+    Py_ssize_t words = (numel + 63) / 64, m = 0;
+    uint64_t *bits = NULL;
+    if (count > 0 && words <= 4 * count && !(bits = calloc((size_t)words, sizeof *bits)))
+        return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {  /* branch-free: stores are kept for nonzero sums */
-        float v = buf[listed[i]];
-        positions[m] = listed[i];
-        values[m] = v;
-        m += v != 0.0f;  /* NaN included */
-        buf[listed[i]] = 0.0f;
+    /* branch-free: stores are kept for nonzero sums (NaN included); a position listed twice is
+     * read once (bitmap), or reads zero the second time (sorted list) */
+#define TAKE(at)                                  \
+    do {                                          \
+        int64_t p_ = (at);                        \
+        float v_ = buf[p_];                       \
+        positions[m] = p_;                        \
+        values[m] = v_;                           \
+        m += v_ != 0.0f;                          \
+        buf[p_] = 0.0f;                           \
+    } while (0)
+    if (bits) {
+        for (Py_ssize_t i = 0; i < count; i++)
+            bits[listed[i] >> 6] |= (uint64_t)1 << (listed[i] & 63);
+        for (Py_ssize_t w = 0; w < words; w++)
+            for (uint64_t word = bits[w]; word; word &= word - 1)
+                TAKE((int64_t)w * 64 + __builtin_ctzll(word));
+    } else {
+        memcpy(positions, listed, (size_t)count * sizeof *positions);
+        qsort(positions, (size_t)count, sizeof *positions, ascending);
+        for (Py_ssize_t i = 0; i < count; i++)  /* m <= i: the compaction overwrites what was read */
+            TAKE(positions[i]);
     }
+#undef TAKE
     Py_END_ALLOW_THREADS
+    free(bits);
     return PyLong_FromSsize_t(m);
 }
 

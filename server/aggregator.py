@@ -21,7 +21,8 @@ pushed, not to the key's size: it lands in a buffer known to be all zeros,
 the answer is the union of the pushed positions, and only those positions
 are zeroed again afterwards, rather than scanning the whole sum for
 nonzeros. For float32 the compiled
-:mod:`server.sparse_sum` does this without sorting.
+:mod:`server.sparse_sum` does this without numpy's sort. Either way a sparse
+answer's positions ascend.
 """
 from __future__ import annotations
 

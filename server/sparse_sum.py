@@ -2,9 +2,10 @@
 
 The aggregator's torch path does the same with a sort for the union of
 positions and several indexing passes; this path lists each position as it
-first lands and reads the answer back from that list. It applies to float32
-buffers and values on the CPU, which is what a server holds unless workers
-send other dtypes.
+first lands and reads the answer back from that list, in ascending position
+order as the torch path's union is (a worker's decode then writes its partition
+front to back rather than at random). It applies to float32 buffers and values
+on the CPU, which is what a server holds unless workers send other dtypes.
 """
 from __future__ import annotations
 
@@ -57,7 +58,14 @@ def add(buffer: torch.Tensor, payload: Payload) -> torch.Tensor:
 
 
 def take_nonzero(buffer: torch.Tensor, listed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nonzero entries of ``buffer`` at ``listed`` positions (positions, values), zeroed."""
+    """The nonzero entries of ``buffer`` at ``listed`` positions (positions, values), zeroed;
+    the positions ascend and none is repeated, whatever the order of ``listed``.
+
+    Example::
+
+        buf = torch.tensor([0.0, 2.0, 0.0, 5.0])
+        take_nonzero(buf, torch.tensor([3, 1, 3, 2]))  # (tensor([1, 3]), tensor([2., 5.])); buf is zeros
+    """
     listed = listed.contiguous()
     positions = torch.empty(listed.numel(), dtype=torch.int64)
     values = torch.empty(listed.numel(), dtype=buffer.dtype)

@@ -53,11 +53,33 @@ def test_compiled_rounds_equal_the_torch_path_and_leave_clean_buffers(data, work
                 sparse_sum._sparse_sum = kernel
         assert torch.equal(a.decompress(), want) and torch.equal(b.decompress(), want)
         assert a.codec == b.codec and a.count == b.count
-        if a.codec == "coo":  # a union: no position twice, no zero sums
-            assert a.indices.long().unique().numel() == a.count and bool(a.values.ne(0).all())
+        if a.codec == "coo":  # a union in ascending order: no position twice, no zero sums
+            assert torch.equal(a.indices, b.indices) and torch.equal(a.values, b.values)
+            assert bool((a.indices.long().diff() > 0).all()) and bool(a.values.ne(0).all())
     state = compiled.keys[3]
     for buf, clean in zip(state.buffers or (), state.clean):
         assert not clean or not bool(buf.any())
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 5000), st.integers(0, 2**16), st.integers(0, 300), st.floats(0, 1))
+def test_sums_are_taken_in_ascending_order_once_each(numel, seed, count, zeros):
+    """Whatever the order of the list (repeats included), the nonzero sums come back by
+    ascending position, each once, with their bits, and the buffer is left zeros; short
+    lists beside a long key (sorted) and long ones (the bitmap) alike."""
+    gen = torch.Generator().manual_seed(seed)
+    listed = torch.randint(0, numel, (count,), generator=gen)
+    buf = torch.zeros(numel)
+    buf[listed] = torch.randn(count, generator=gen)
+    buf[listed[torch.rand(count, generator=gen) < zeros]] = 0  # sums that cancelled
+    buf[listed[torch.rand(count, generator=gen) < 0.05]] = float("nan")
+    want = torch.unique(listed)
+    want = want[buf[want] != 0]
+    expected = buf[want].clone()
+    positions, values = sparse_sum.take_nonzero(buf, listed)
+    assert torch.equal(positions, want)
+    assert torch.equal(values.view(torch.int32), expected.view(torch.int32))
+    assert not bool(buf.any())
 
 
 def test_nan_and_inf_sums_come_back():
