@@ -118,7 +118,8 @@ def test_the_wrapped_optimizers_residuals_come_back_on_the_models_device(tmp_pat
     write(path, model, opt, {"step": 1, "workers": 1, "rank": 0, "job": JOB})
     _, state = read(path)
     residuals = state["optimizer"]["adtopk_ps"]["compression"]["residuals"]
-    assert residuals["0.weight#0"].device.type == "cpu" and residuals["0.weight#0"].abs().sum() > 0
+    # kept whole, not by partition (another job may cut the tensor otherwise)
+    assert residuals["0.weight#*"].device.type == "cpu" and residuals["0.weight#*"].abs().sum() > 0
     restored, restored_opt = job("cpu")
     restored.load_state_dict(state["model"])
     restored_opt.load_state_dict(state["optimizer"])

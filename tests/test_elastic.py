@@ -216,7 +216,7 @@ def idle_engine():
 def test_a_call_checked_before_a_re_form_cannot_slip_in_after_it():
     # the client checks for a re-form, then queues: the engine refuses under its lock too,
     # so a push or collective request of the old membership never goes out in the new one
-    from adtopk_ps.client.engine import MembershipChanged
+    from adtopk_ps.client.errors import MembershipChanged
     with idle_engine() as engine:
         engine._reshape({"epoch": 1, "rank": 0, "num_workers": 1, "what": "worker 1 lost"})
         with pytest.raises(MembershipChanged, match="worker 1 lost; the job goes on with 1"):

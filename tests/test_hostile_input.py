@@ -134,7 +134,7 @@ def test_limits_refuse_what_exceeds_them_and_the_server_keeps_serving():
     """A message over PS_MAX_MESSAGE_BYTES, a key past PS_MAX_KEYS and a key whose buffers
     would pass PS_SERVER_MAX_BYTES each get an error naming the limit; nothing is allocated
     for them, and keys within the limits go on summing exactly."""
-    from adtopk_ps.client.engine import PushPullError
+    from adtopk_ps.client.errors import PushPullError
     from adtopk_ps.client.ps_client import PSClient
     limits = {"PS_MAX_MESSAGE_BYTES": str(64 << 10), "PS_MAX_KEYS": "3",
               "PS_SERVER_MAX_BYTES": "100000", "BYTEPS_PARTITION_BYTES": str(1 << 20)}

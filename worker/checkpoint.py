@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 import adtopk_ps.torch as bps
-from adtopk_ps.client.engine import PushPullError
+from adtopk_ps.client.errors import PushPullError
 from adtopk_ps.cluster.transport import ClusterError
 
 from .checkpoint_file import Damaged, read, read_header, write

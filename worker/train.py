@@ -15,8 +15,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 import adtopk_ps.torch as bps
-from adtopk_ps.client.engine import PushPullError
-from adtopk_ps.client.ps_client import CollectiveError
+from adtopk_ps.client.errors import CollectiveError, PushPullError
 from adtopk_ps.cluster.stop import stop_quietly_on_signals
 from adtopk_ps.cluster.transport import ClusterError
 from adtopk_ps.compression import SparsificationPolicy, create

@@ -1,5 +1,6 @@
 """The worker's engine thread: the queue, the sends and the answers (ps-lite's Van under
-a KVWorker; the caller's side is ps_client.py).
+a KVWorker; the caller's side is ps_client.py, the book of rounds in flight that answers
+are matched against customer.py, where each key goes slicer.py).
 
 One background thread owns every socket: it takes every tensor queued at once
 as one batch in priority order (later layers, whose gradients the backward pass
@@ -23,7 +24,6 @@ import logging
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
@@ -32,6 +32,8 @@ import zmq
 
 from adtopk_ps import wire
 from adtopk_ps.client.credit import Outbox
+from adtopk_ps.client.customer import Customer, Part
+from adtopk_ps.client.errors import HostsUpdatedInterrupt, MembershipChanged
 from adtopk_ps.client.handle import Handle
 from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import Replies
@@ -70,22 +72,6 @@ def credit_window(environ: Mapping[str, str] | None = None) -> int:
     return env_int("PS_CREDIT_BYTES", 0, minimum=0, environ=environ)
 
 
-class PushPullError(RuntimeError):
-    """A server refused one of this worker's pushes."""
-
-
-class MembershipChanged(RuntimeError):
-    """The workers changed (an elastic job re-formed: a worker lost or joined): every push and
-    collective in flight was abandoned, and every call fails with this until the caller
-    acknowledges it (:meth:`~adtopk_ps.client.ps_client.PSClient.acknowledge_membership`),
-    having gone back to its last committed state (``adtopk_ps.torch.elastic``)."""
-
-
-class HostsUpdatedInterrupt(MembershipChanged):
-    """The workers changed by joins only: nothing was lost, though the step in flight was
-    abandoned all the same (horovod's name; caught wherever :class:`MembershipChanged` is)."""
-
-
 class Negotiation(Protocol):
     """A call waiting for the scheduler's agreement."""
 
@@ -110,16 +96,6 @@ class Job:
     ratio: float | None = field(compare=False)
 
 
-@dataclass
-class _Part:
-    handle: Handle
-    view: torch.Tensor  # where the answer goes
-    round: int
-    compressor: Compressor  # its ``restore`` runs on the answer
-    name: str  # the partition's name, as the compressor knew it
-    sparse: bool  # its push was (the answer's width is the union's)
-
-
 class Engine:
     """The thread that talks to the scheduler and the servers for one worker."""
 
@@ -131,9 +107,10 @@ class Engine:
         self.rank = -1
         self.servers: list[str] = []
         self.ledger = Ledger()  # bytes to and from each server, the answers' width
+        # the rounds in flight and what answers them; the engine thread's
+        self.customer = Customer(self.ledger)
         self.compress_seconds = 0.0
         self.error: BaseException | None = None  # what ended the engine, if anything did
-        self.rounds: dict[int, int] = {}  # the next round of each key
         self.epoch = 0  # the membership's (elastic jobs): pushes and answers carry it
         # the last re-form's error, until the caller acknowledges it: every call raises it
         self.changed: MembershipChanged | None = None
@@ -148,9 +125,6 @@ class Engine:
         self.lock = threading.RLock()  # the queue's and the commands'; re-entrant for _poke
         self._jobs: list[Job] = []
         self._in_hand: list[Job] = []  # between the queue and the wire
-        # by key, oldest round first; the engine thread's own. A key has two rounds in flight
-        # when a join() stand-in's answer is still on its way as this worker pushes the next
-        self._inflight: dict[int, deque[_Part]] = {}
         # pushes waiting for credit (none without PS_CREDIT_BYTES); the engine thread's
         self.outbox = Outbox(credit_window())
         self._credit: int | None = None  # a window set by set_credit, for the engine thread
@@ -161,11 +135,6 @@ class Engine:
         self._agreements: dict[int, Negotiation] = {}
         self._reqids = itertools.count(1)
         self.on_standin: Callable[[dict], None] | None = None  # the client's, for join()
-        # key -> (the round asked, the fetch waiting for its residual); the engine thread's
-        self._fetching: dict[int, tuple[int, Replies]] = {}
-        # key -> (the round a residual was put back for, the call waiting for the server's
-        # word); the engine thread's
-        self._restoring: dict[int, tuple[int, Replies]] = {}
         self._seq = itertools.count()
         wake_addr = f"inproc://adtopk-wake-{id(self)}"
         self._wake_in = make_socket(ctx, zmq.PULL)
@@ -433,7 +402,7 @@ class Engine:
             self._commands = [c for c in self._commands if c[0] == Op.FINISH]
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
             self.changed = error
-        self.rounds.clear()
+        self.customer.rounds.clear()
         if x.get("servers", self.servers) != self.servers:  # connected before the next push
             self._rebook = list(x["servers"])
         log.warning("worker %d: %s", self.rank, error)
@@ -495,8 +464,7 @@ class Engine:
             started = time.perf_counter()
             payload = next(payloads)
             self.compress_seconds += time.perf_counter() - started
-            rnd = self.rounds.get(key, 0)
-            self.rounds[key] = rnd + 1
+            rnd = self.customer.next_round(key)
             flags = {"nonfinite": True} if payload.nonfinite else {}
             if self.outbox.window:
                 flags["ack"] = True  # a receipt brings the credit back
@@ -504,61 +472,24 @@ class Engine:
                                  **flags, **wire.epoch_field(self.epoch))
             size = sum(memoryview(f).nbytes for f in frames)
             server = self.slicer.server_of(key, len(servers))
-            self.ledger.add_push(server, size)
-            self._inflight.setdefault(key, deque()).append(
-                _Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
+            self.customer.sent(key, server, size,
+                               Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
             self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
 
     def _send_to(self, server: int, frames: list) -> None:
         send(self._sockets[server], frames)
 
     def _send_fetch(self, call: Replies, servers: int) -> None:
-        for key in list(call.waiting):
-            rnd = self.rounds.get(key, 0)
-            self._fetching[key] = (rnd, call)
+        for key, rnd in self.customer.fetch(call):
             self._send_to(self.slicer.server_of(key, servers), wire.encode(
                 Op.FETCH, key=key, round=rnd, sender=self.rank, **wire.epoch_field(self.epoch)))
 
     def _send_residuals(self, residuals: dict[int, torch.Tensor], call: Replies, servers: int) -> None:
-        for key, residual in residuals.items():
-            rnd = self.rounds.get(key, 0)
-            self._restoring[key] = (rnd, call)
+        for key, rnd, residual in self.customer.restore(residuals, call):
             frames = wire.encode(Op.RESIDUAL, key=key, round=rnd, sender=self.rank,
                                  payload=Dense().compress(residual.detach().cpu(), f"residual {key}"),
                                  **wire.epoch_field(self.epoch))
             self._send_to(self.slicer.server_of(key, servers), frames)
-
-    def _on_restored(self, server: int, msg: wire.Message) -> bool:
-        """The server's word on a residual put back (``received``, or its refusal): True
-        where ``msg`` is it. It comes before any word on this worker's pushes of the key
-        (one connection keeps its order)."""
-        asked = self._restoring.get(msg.key)
-        if asked is None or asked[0] != msg.round or msg.op not in (Op.RECEIVED, Op.ERROR):
-            return False
-        del self._restoring[msg.key]
-        if msg.op == Op.ERROR:
-            asked[1].fail(PushPullError(f"server {server} refused the residual put back for key "
-                                        f"{msg.key}: {msg.extra.get('message')}"))
-        else:
-            asked[1].answered(msg.key, None)
-        return True
-
-    def _on_fetched(self, server: int, msg: wire.Message) -> bool:
-        """A server's answer to a fetch (its residual, or its refusal): True where ``msg`` is one."""
-        asked = self._fetching.get(msg.key)
-        if asked is None or asked[0] != msg.round or msg.op not in (Op.RESIDUAL, Op.ERROR):
-            return False
-        if msg.op == Op.ERROR and any(p.round == msg.round for p in self._inflight.get(msg.key, ())):
-            return False  # a refused push of the same round
-        del self._fetching[msg.key]
-        if msg.op == Op.ERROR:
-            asked[1].fail(PushPullError(f"server {server} refused the residual of key {msg.key}: "
-                                        f"{msg.extra.get('message')}"))
-        else:
-            held = msg.payload
-            asked[1].answered(msg.key, None if held is None else
-                              held.write_into(torch.empty(held.shape, dtype=held.dtype)))
-        return True
 
     def _on_answer(self, server: int, frames: list) -> None:
         try:
@@ -569,53 +500,18 @@ class Engine:
             return  # an answer of the old membership's, whose rounds this worker abandoned
         if msg.op == Op.STALL:
             return self._on_stall(server, msg)
-        if self._fetching and self._on_fetched(server, msg):
-            return
-        if self._restoring and self._on_restored(server, msg):
+        if self.customer.on_fetched(server, msg) or self.customer.on_restored(server, msg):
             return
         self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
         if msg.op == Op.RECEIVED:
             return
-        self.ledger.add_answer_bytes(server, sum(memoryview(f).nbytes for f in frames))
-        waiting = self._inflight.get(msg.key)
-        part = waiting.popleft() if waiting else None
-        if waiting is not None and not waiting:
-            del self._inflight[msg.key]
-        if part is None or msg.round != part.round:
-            raise ClusterError(f"server {server} answered key {msg.key} round {msg.round}, "
-                               f"which this worker is not waiting for")
-        if msg.op == Op.ERROR:
-            part.handle.fail(PushPullError(f"server {server} refused key {msg.key} of "
-                                            f"{part.handle.name!r}: {msg.extra.get('message')}"))
-            return
-        if msg.op != Op.RESULT or msg.payload.shape != tuple(part.view.shape):
-            raise ClusterError(f"server {server} answered key {msg.key} with {msg.op} "
-                               f"of the wrong shape")
-        handle, payload = part.handle, msg.payload
-        if part.sparse:
-            self.ledger.add_width(payload.count, payload.numel)
-        flagged = msg.extra.get("nonfinite", [])
-        if flagged and flagged[-1] >= self.size:
-            raise ClusterError(f"server {server} flagged worker(s) {flagged} of key {msg.key}, "
-                               f"beyond the {self.size} workers")
-        handle.flagged.update(flagged)
-        if handle.parts == 1 and not handle.out_given and payload.codec == "dense" \
-                and payload.values.dtype == handle.out.dtype and handle.out.device.type == "cpu":
-            handle.out = payload.values.view(handle.out.shape)  # the received frame, no copy
-            if handle.divisor != 1:
-                handle.out.div_(handle.divisor)
-            part.compressor.restore(handle.out, part.name)
-        else:
-            payload.write_into(part.view, handle.divisor)
-            part.compressor.restore(part.view, part.name)
-        handle.part_done()
+        self.customer.on_result(server, msg, sum(memoryview(f).nbytes for f in frames), self.size)
 
     def _on_stall(self, server: int, msg: wire.Message) -> None:
         """A server says that rounds this worker waits in wait for other workers: named here,
         with the tensors (once per server and set of workers)."""
         x = msg.extra
-        names = sorted({part.handle.name for key in x.get("keys", [])
-                        for part in self._inflight.get(key, ())})
+        names = self.customer.names(x.get("keys", []))
         log.warning("worker %d: %s round(s) on server %d have waited %.0f s for worker(s) %s, "
                     "which pushed nothing for them; tensors: %s%s", self.rank, x.get("rounds"),
                     server, x.get("seconds", 0), x.get("missing"), ", ".join(names[:8]),
@@ -627,15 +523,12 @@ class Engine:
         with self.lock:
             jobs, self._jobs, self._in_hand = self._jobs + self._in_hand, [], []
             calls, self._agreements = list(self._agreements.values()), {}
-        calls += [call for _, call in [*self._fetching.values(), *self._restoring.values()]]
-        self._fetching.clear()
-        self._restoring.clear()
-        parts = [p for waiting in self._inflight.values() for p in waiting]
-        self._inflight.clear()
+        handles, waiting = self.customer.abandon()
+        calls += waiting
         self.outbox.clear()
         for job in jobs:
             job.handle.fail(error)
-        for part in parts:
-            part.handle.fail(error)
+        for handle in handles:
+            handle.fail(error)
         for call in calls:
             call.fail(error)

@@ -23,6 +23,7 @@ import zmq
 
 from adtopk_ps import wire
 from adtopk_ps.client.engine import Engine
+from adtopk_ps.client.errors import CollectiveError, MembershipChanged
 from adtopk_ps.client.handle import Agreement, Handle
 from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import keys_of, saved, to_restore
@@ -42,12 +43,7 @@ WAITING_NOTICE_S = 5.0  # between the notices of a worker waiting for others to 
 
 log = logging.getLogger("adtopk_ps")
 
-__all__ = ["CollectiveError", "PSClient"]
-
-
-class CollectiveError(RuntimeError):
-    """A collective refused on every worker alike: the workers' calls differ, one worker's
-    side failed, a worker finished or waits elsewhere, or one joined. The job goes on."""
+__all__ = ["PSClient"]
 
 
 class PSClient:
@@ -60,6 +56,7 @@ class PSClient:
         # a bad PS_CURVE_KEYS fails here, naming the variable
         self.encrypted = security(self.ctx).keys is not None
         self._layouts: dict[tuple, KeyLayout] = {}  # by name, dtype and shape
+        self._named_layouts: dict[str, KeyLayout] = {}  # by name, the last declared
         self._order: dict[str, int] = {}  # names in the order first declared: later goes first
         self._steps: dict[str, int] = {}
         self._last: dict[str, Handle] = {}
@@ -290,9 +287,21 @@ class PSClient:
         """How many times the job has re-formed (elastic jobs)."""
         return self._engine.epoch
 
+    @property
+    def reforming(self) -> bool:
+        """Whether a re-form is being taken in, or the job waits below its minimum of workers
+        for some to join (elastic jobs)."""
+        return not self._engine.resumed.is_set()
+
+    @property
+    def membership_change(self) -> MembershipChanged | None:
+        """The re-form the caller has not acknowledged yet (:meth:`acknowledge_membership`),
+        which every call raises meanwhile; None where there is none."""
+        return self._engine.changed
+
     def acknowledge_membership(self) -> None:
         """The caller has gone back to its last committed state after
-        :class:`~adtopk_ps.client.engine.MembershipChanged`: calls go through again, among
+        :class:`~adtopk_ps.client.errors.MembershipChanged`: calls go through again, among
         the new membership. While the job waits below its minimum for workers to join, this
         waits with it (saying so every few seconds), up to the scheduler's timeout."""
         engine = self._engine
@@ -365,7 +374,13 @@ class PSClient:
         if layout is None:
             layout = self._layouts[(name, tensor.dtype, shape)] = self._layout_for(name, tensor.dtype, shape)
             self._order.setdefault(name, len(self._order))
+            self._named_layouts[name] = layout
         return layout
+
+    def layout_of(self, name: str) -> KeyLayout | None:
+        """The key layout ``name`` was last declared with (None where it was not): its shape
+        and the row blocks its partitions hold."""
+        return self._named_layouts.get(name)
 
     def plan(self, tensors: list[tuple[str, torch.Tensor, float | None]]) -> None:
         """Lay out, as one group, the keys of tensors every worker agreed to push, each

@@ -6,7 +6,7 @@ scheduler re-forms the job without a worker it lost, within a second or two, and
 worker that registers into the running job (it goes last): the workers are renumbered,
 the servers drop every round in progress, and every call a worker has in flight, or makes
 next, raises :class:`HorovodInternalError` (the client's
-:class:`~adtopk_ps.client.engine.MembershipChanged`; :class:`HostsUpdatedInterrupt` where
+:class:`~adtopk_ps.client.errors.MembershipChanged`; :class:`HostsUpdatedInterrupt` where
 workers only joined). :func:`run` catches it, puts the
 training state back to its last :meth:`~State.commit`, re-forms what synchronises gradients
 (:meth:`~adtopk_ps.torch.gradient_sync.GradientSync.reset`: the workers agree their set-up
@@ -49,7 +49,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from adtopk_ps.client.engine import HostsUpdatedInterrupt, MembershipChanged
+from adtopk_ps.client.errors import HostsUpdatedInterrupt, MembershipChanged
 from adtopk_ps.torch.gradient_sync import abandon_all, reform_all
 from adtopk_ps.torch.objects import allgather_object, broadcast_object
 from adtopk_ps.torch.runtime import client, rank, resume_as_is, size
@@ -262,7 +262,7 @@ def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
     limit = c.config.elastic_timeout if timeout is None else timeout
     deadline = time.monotonic() + limit
     while c.config.elastic and ((c.size, len(c.servers)) != (num_workers, num_servers) or
-                                not c.engine.resumed.is_set()):
+                                c.reforming):
         if c.engine.error is not None:
             raise c.engine.error
         if time.monotonic() > deadline:
@@ -270,7 +270,7 @@ def resume(num_workers: int, num_servers: int, global_rank: int | None = None,
                                f"{c.size} workers and {len(c.servers)} servers after {limit:.0f} s")
         time.sleep(0.02)
     resume_as_is(num_workers, num_servers, global_rank)
-    if c.engine.changed is not None:  # the membership changed while suspended: take it in
+    if c.membership_change is not None:  # the membership changed while suspended: take it in
         abandon_all()
         reform_all()
 

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, TypeVar
 
 import torch
 
-from adtopk_ps.client.engine import MembershipChanged
+from adtopk_ps.client.errors import MembershipChanged
 from adtopk_ps.compression import Route, compression_speed
 from adtopk_ps.torch import fusion
 from adtopk_ps.torch.agreement import agree, describe
@@ -36,6 +36,7 @@ from adtopk_ps.torch.dense_lane import DenseLane, Group, allreduce_s, worker_gro
 from adtopk_ps.torch.gradient_compression import Figures, GradientCompression
 from adtopk_ps.torch.nonfinite import NonFiniteGuard
 from adtopk_ps.torch.objects import allgather_object
+from adtopk_ps.torch.part_state import parted, whole
 from adtopk_ps.torch.pending import Pending
 from adtopk_ps.torch.plans import Layout, Mode, Plan
 from adtopk_ps.torch.runtime import client
@@ -59,7 +60,7 @@ def _each_live() -> list[GradientSync]:
 
 def abandon_all() -> None:
     """:meth:`GradientSync.abandon` every GradientSync of this process (no I/O): first thing
-    after :class:`~adtopk_ps.client.engine.MembershipChanged`, before the caller restores
+    after :class:`~adtopk_ps.client.errors.MembershipChanged`, before the caller restores
     its committed state (a restore that reads pending answers would raise again)."""
     for sync in _each_live():
         sync.abandon()
@@ -465,12 +466,20 @@ class GradientSync:
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """The compressor's state (residuals, per-layer state) and the steps taken."""
-        return {"compression": self.compression.state_dict(), "steps": self._steps}
+        """The compressor's state (residuals, per-layer state), each tensor's whole rather
+        than by partition (``part_state.py``: another job may cut it otherwise), and the
+        steps taken."""
+        return {"compression": whole(self.compression.state_dict()), "steps": self._steps}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self.compression.load_state_dict(state["compression"])
+        """Restore what :meth:`state_dict` saved, cut by this job's partitions."""
+        c = client()
+
+        def laid_out(name: str) -> tuple[tuple[int, ...], list[tuple[int, int]]] | None:
+            layout = c.layout_of(name)
+            return None if layout is None else (layout.shape, layout.blocks)
+
+        self.compression.load_state_dict(parted(state["compression"], laid_out))
         self._steps = state["steps"]
 
     # -- set-up -----------------------------------------------------------------------------

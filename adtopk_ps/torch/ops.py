@@ -19,7 +19,7 @@ that) is named by the order of this worker's unnamed calls of its kind, as in
 horovod. Every call is first agreed by its name across the workers (the
 scheduler's coordinator): a call whose dtype, shape, op, root or compression
 differs on one worker, or that failed on one worker's side, is refused on
-every worker with the same :class:`~adtopk_ps.client.ps_client.CollectiveError`, and
+every worker with the same :class:`~adtopk_ps.client.errors.CollectiveError`, and
 the next call works. Its data then travels under a key made from the name,
 dtype and shape alone, never from how many calls came before it.
 """
@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 
 from adtopk_ps.client.handle import Agreement, Handle
-from adtopk_ps.client.ps_client import CollectiveError, PSClient
+from adtopk_ps.client.errors import CollectiveError
+from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.cluster.coordinator import JOIN
 from adtopk_ps.compression import Compressor, SparsificationPolicy
 from adtopk_ps.core.dtypes import FLOAT_DTYPES
