@@ -30,6 +30,7 @@ form of the server term of benchmarks/step_model.py (``sigma``) with a per-key c
 
     python benchmarks/loadgen.py                      # W = 16, 32, 64 at S = 4 and S = W/4
     python benchmarks/loadgen.py --workers 16 --servers 4 --rounds 20 --repeats 1
+    python benchmarks/loadgen.py --report runs/*.json --json docs/loadgen.json   # pooled, fit
     python benchmarks/loadgen.py --config configs/digits-cnn.yaml --at 0 --workers 4 \\
         --servers 2 --rounds 3 --json /tmp/loadgen.json   # a small run, no Fashion-MNIST
 """
@@ -439,7 +440,12 @@ def run_once(recording: Path, keys: list[Key], workers: int, servers: int, args:
                 {**env, "DMLC_ROLE": "worker"}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=logs, text=True))
         for proc in drivers:
-            read_line(proc, "WARM")
+            try:
+                read_line(proc, "WARM")
+            except RuntimeError as exc:
+                logs.flush()
+                raise RuntimeError(f"{exc}; the roles said:\n"
+                                   + (scratch / "roles.log").read_text()[-3000:]) from None
         pids = {name: p.pid for name, p in cluster.procs.items()}
         before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         for proc in drivers:
@@ -587,7 +593,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="keep each run's recording and answers under this folder")
     ap.add_argument("--report", nargs="+",
-                    help="print the report of stored runs (--json; several pooled) and exit")
+                    help="print the report of stored runs (--json; several pooled, and with --json "
+                         "written there with their fit) and exit")
     ap.add_argument("--drive", help=argparse.SUPPRESS)
     ap.add_argument("--answers", help=argparse.SUPPRESS)
     ap.add_argument("--ranks", type=int, nargs="+", help=argparse.SUPPRESS)
@@ -596,8 +603,12 @@ def main() -> int:
         return drive(args)
     if args.report:
         stored = [json.loads(Path(path).read_text()) for path in args.report]
-        print(report({**stored[0], "rows": [r for d in stored for r in d["rows"]],
-                      "answers_checked": sum(d["answers_checked"] for d in stored)}))
+        pooled = {**stored[0], "rows": [r for d in stored for r in d["rows"]],
+                  "answers_checked": sum(d["answers_checked"] for d in stored)}
+        if args.json:  # the pooled runs and their fit, as benchmarks/step_model.py reads them
+            pooled["fit"] = fit([p for r in pooled["rows"] for run in r["runs"] for p in run["per_server"]])
+            Path(args.json).write_text(json.dumps(pooled, indent=1) + "\n")
+        print(report(pooled))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a run's processes end with it
     torch.set_num_threads(1)
