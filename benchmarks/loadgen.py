@@ -37,6 +37,7 @@ form of the server term of benchmarks/step_model.py (``sigma``) with a per-key c
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -562,12 +563,10 @@ HEADER = ["| W | S | placement | keys | answer density | busiest server MB in+ou
 def placements_available(wanted: list[str]) -> list[str]:
     """The placements asked for that this tree has (the balanced one needs
     ``adtopk_ps.cluster.placement``)."""
-    try:
-        from adtopk_ps.cluster import placement  # noqa: F401
+    if importlib.util.find_spec("adtopk_ps.cluster.placement") is not None:
         return wanted
-    except ImportError:
-        print("loadgen: adtopk_ps.cluster.placement is not in this tree; djb2 only", flush=True)
-        return [p for p in wanted if p == "djb2"]
+    print("loadgen: adtopk_ps.cluster.placement is not in this tree; djb2 only", flush=True)
+    return [p for p in wanted if p == "djb2"]
 
 
 def main() -> int:
