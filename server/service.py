@@ -20,7 +20,8 @@ import zmq
 
 from adtopk_ps import wire
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
-from adtopk_ps.cluster.transport import ClusterError, SchedulerLink, drain, make_socket, send
+from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, batch_bytes, drain,
+                                         make_socket, send)
 from adtopk_ps.compression import Compressor, Dense, create
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
@@ -53,7 +54,7 @@ class ServerLimits:
 #: asked (ADTopk keeps some in every row, a threshold as many as pass it)
 COUNTED = ("topk", "randomk")
 #: what workers send a server: pushes, their finish, and a checkpoint's residuals out and in
-SERVED = (Op.PUSH, Op.FINISH, Op.FETCH, Op.RESIDUAL)
+SERVED = (Op.PUSH, Op.FINISH, Op.FETCH, Op.RESIDUAL, Op.BATCH)
 
 
 class Resparsifier(NamedTuple):
@@ -128,6 +129,12 @@ class Server:
         # by PS_SERVER_MAX_BYTES, as the sums are)
         self.early: list[tuple[int, bytes, list]] = []
         self.early_bytes = 0
+        # peers that send batches get their answers in batches, gathered while a burst of
+        # messages is served and sent before the loop waits again (``_flush``)
+        self.batching: set[bytes] = set()
+        self.batch_bytes = batch_bytes()  # PS_BATCH_BYTES: 0 answers every message alone
+        self._outgoing: dict[bytes, list[list]] = {}
+        self._outgoing_bytes: dict[bytes, int] = {}
 
     def _aggregator(self, workers: int) -> Aggregator:
         how = self.resparsify
@@ -156,6 +163,7 @@ class Server:
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
                 self.check_stalls()
+                self._flush()
             if self.link.failed:
                 log.error("server %d: the job failed (%s); shutting down", self.link.rank,
                           self.link.failed)
@@ -169,12 +177,42 @@ class Server:
             self.data.close(0)
             self.link.close()
 
-    def on_push(self, identity: bytes, frames: list) -> None:
-        """Decode, check and aggregate one message; a bad one gets an ``error`` reply and nothing else changes."""
+    def _reply(self, peer: bytes, frames: list) -> None:
+        """Send ``frames`` to ``peer``: at once, or into its next batch where it sends
+        batches (which leaves once it holds ``PS_BATCH_BYTES``, or when the loop waits again)."""
+        if peer not in self.batching or not self.batch_bytes:
+            send(self.data, frames, peer)
+            return
+        self._outgoing.setdefault(peer, []).append(frames)
+        size = self._outgoing_bytes[peer] = \
+            self._outgoing_bytes.get(peer, 0) + sum(memoryview(f).nbytes for f in frames)
+        if size >= self.batch_bytes:
+            self._flush_to(peer)
+
+    def _flush(self) -> None:
+        for peer in list(self._outgoing):
+            self._flush_to(peer)
+
+    def _flush_to(self, peer: bytes) -> None:
+        messages = self._outgoing.pop(peer, [])
+        self._outgoing_bytes.pop(peer, None)
+        if messages:
+            send(self.data, messages[0] if len(messages) == 1 else wire.batch(messages), peer)
+
+    def on_push(self, identity: bytes, frames: list, batched: bool = False) -> None:
+        """Decode, check and aggregate one message (each of a batch's in turn); a bad one
+        gets an ``error`` reply and nothing else changes."""
         key = rnd = 0
         epoch = self.epoch  # the push's, which an error reply carries back
         try:
             msg = wire.decode(frames, max_bytes=self.limits.max_message_bytes)
+            if msg.op == Op.BATCH:
+                if batched:
+                    raise PushRejected("a batch holds another batch; batches do not nest")
+                self.batching.add(identity)
+                for part in wire.unbatch(frames, msg):
+                    self.on_push(identity, part, batched=True)
+                return
             key, rnd, epoch = msg.key, msg.round, msg.extra.get("epoch", 0)
             if msg.op not in SERVED:
                 raise PushRejected(f"op {msg.op.value!r} is not served here; send "
@@ -196,15 +234,15 @@ class Server:
                                           nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
             if msg.extra.get("ack"):  # its sender's credit window (before any answer)
-                send(self.data, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
-                                            **wire.epoch_field(self.epoch)), identity)
+                self._reply(identity, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
+                                                  **wire.epoch_field(self.epoch)))
         except (wire.WireError, PushRejected) as exc:
             if isinstance(exc, wire.WireError):
                 key, rnd = wire.envelope(frames)
             self.rejected += 1
             log.warning("rejected a message from %r: %s", identity, exc)
-            send(self.data, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc),
-                                        **wire.epoch_field(epoch)), identity)
+            self._reply(identity, wire.encode(Op.ERROR, key=key, round=rnd, message=str(exc),
+                                              **wire.epoch_field(epoch)))
             return
         self.waiting.setdefault(msg.key, []).append(identity)
         if answer is None:
@@ -216,14 +254,14 @@ class Server:
         frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
                                  **({"nonfinite": flagged} if flagged else {}), **wire.epoch_field(self.epoch))
         for peer in self.waiting.pop(msg.key):
-            send(self.data, frames_out, peer)
+            self._reply(peer, frames_out)
 
     def on_fetch(self, msg: wire.Message, identity: bytes) -> None:
         """Send the key's residual as of the round asked (none: a header alone)."""
         residual = self.aggregator.residual(msg.key, msg.round)
         payload = None if residual is None else Dense().compress(residual, f"residual {msg.key}")
-        send(self.data, wire.encode(Op.RESIDUAL, key=msg.key, round=msg.round, payload=payload,
-                                    **wire.epoch_field(self.epoch)), identity)
+        self._reply(identity, wire.encode(Op.RESIDUAL, key=msg.key, round=msg.round, payload=payload,
+                                          **wire.epoch_field(self.epoch)))
 
     def on_restore(self, msg: wire.Message, identity: bytes) -> None:
         """Hold a resumed checkpoint's residual for the key, and say so (``received``). One
@@ -232,17 +270,18 @@ class Server:
         saved."""
         try:
             self.aggregator.restore(msg.key, msg.round, msg.payload)
-            send(self.data, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
-                                        **wire.epoch_field(self.epoch)), identity)
+            self._reply(identity, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
+                                              **wire.epoch_field(self.epoch)))
         except PushRejected as exc:
             self.dead[msg.key] = f"worker {msg.sender} put back a residual the server cannot hold: {exc}"
             log.error("server %d: %s", self.link.rank, self.dead[msg.key])
-            send(self.data, wire.encode(Op.ERROR, key=msg.key, round=msg.round, message=self.dead[msg.key],
-                                        **wire.epoch_field(self.epoch)), identity)
+            self._reply(identity, wire.encode(Op.ERROR, key=msg.key, round=msg.round,
+                                              message=self.dead[msg.key],
+                                              **wire.epoch_field(self.epoch)))
             state = self.aggregator.keys.get(msg.key)
             for peer in self.waiting.pop(msg.key, []):  # their pushes of the key's round
-                send(self.data, wire.encode(Op.ERROR, key=msg.key, round=state.round,
-                                            message=self.dead[msg.key], **wire.epoch_field(self.epoch)), peer)
+                self._reply(peer, wire.encode(Op.ERROR, key=msg.key, round=state.round,
+                                              message=self.dead[msg.key], **wire.epoch_field(self.epoch)))
 
     def reshape(self, epoch: int, workers: int) -> None:
         """The workers changed (an elastic job re-formed): every round in progress is of the
@@ -295,8 +334,8 @@ class Server:
         log.error("%s", reason)
         self.stalls.end(key)
         for peer in self.waiting.pop(key, []):
-            send(self.data, wire.encode(Op.ERROR, key=key, round=state.round, message=reason,
-                                        **wire.epoch_field(self.epoch)), peer)
+            self._reply(peer, wire.encode(Op.ERROR, key=key, round=state.round, message=reason,
+                                          **wire.epoch_field(self.epoch)))
 
 
     def check_stalls(self) -> None:
@@ -321,7 +360,7 @@ class Server:
             if not ending:  # once to every worker that waits in one of these rounds
                 peers = {peer for key in stall.keys for peer in self.waiting.get(key, [])}
                 for peer in peers:
-                    send(self.data, wire.encode(Op.STALL, **fields, **wire.epoch_field(self.epoch)), peer)
+                    self._reply(peer, wire.encode(Op.STALL, **fields, **wire.epoch_field(self.epoch)))
         for stall in abort:  # told once: the scheduler ends the job
             for key in stall.keys:
                 self.stalls.end(key)

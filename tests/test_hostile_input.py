@@ -94,6 +94,12 @@ def _hostile_messages(honest_key):
                           "sender 7 is not a worker rank"),
         "residual impersonation": (wire.encode(wire.Op.RESIDUAL, key=honest_key, sender=0, payload=dense),
                                    "bound to another connection"),
+        # a batch's own frame counts are checked; each message in it is served on its own
+        "batch counts": ([msgpack.packb({**msgpack.unpackb(wire.batch([push])[0]), "counts": [5]}),
+                          *push], "batch field 'counts'"),
+        "batch nested": (wire.batch([wire.batch([push])]), "batches do not nest"),
+        "batch impersonation": (wire.batch([with_header(key=honest_key, sender=0)]),
+                                "bound to another connection"),
     }
 
 

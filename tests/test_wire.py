@@ -140,3 +140,32 @@ def test_random_headers_raise_only_wire_error(header, buffers):
         wire.decode([msgpack.packb(header), *buffers])
     except wire.WireError:
         pass
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**40), st.sampled_from(["topk", "none", "finish"])),
+                min_size=1, max_size=8))
+def test_a_batch_carries_its_messages_whole_and_in_order(items):
+    messages = []
+    for key, kind in items:
+        if kind == "finish":
+            messages.append(wire.encode(wire.Op.FINISH, sender=key % 7))
+        else:
+            payload = create(kind, **({"ratio": 0.1} if kind == "topk" else {})).compress(
+                torch.randn(6, 10), "x", 0)
+            messages.append(wire.encode(wire.Op.PUSH, key=key, round=1, sender=0, payload=payload))
+    frames = wire.batch(messages)
+    msg = wire.decode(frames)
+    assert msg.op == wire.Op.BATCH and msg.extra["counts"] == [len(m) for m in messages]
+    parts = wire.unbatch(frames, msg)
+    assert [[bytes(f) for f in p] for p in parts] == [[bytes(f) for f in m] for m in messages]
+    for part, message in zip(parts, messages):
+        got, want = wire.decode(part), wire.decode(message)
+        assert (got.op, got.key, got.round, got.sender) == (want.op, want.key, want.round, want.sender)
+
+
+@pytest.mark.parametrize("counts", [[], [0, 1], [1, 1], [2], [-1, 2], [True], "1", [1.0]])
+def test_a_batch_whose_counts_do_not_fit_its_frames_is_refused(counts):
+    push = wire.encode(wire.Op.FINISH, sender=1)
+    header = {**msgpack.unpackb(wire.batch([push])[0]), "counts": counts}
+    with pytest.raises(wire.WireError, match="batch field 'counts'"):
+        wire.decode([msgpack.packb(header), *push])

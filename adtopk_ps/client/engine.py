@@ -40,8 +40,8 @@ from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.client.slicer import Slicer
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, split
-from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, drain, make_socket,
-                                         register_timeout, send)
+from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, batch_bytes, drain,
+                                         make_socket, register_timeout, send)
 from adtopk_ps.compression import Compressor, Dense, Request, start_each
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
@@ -129,6 +129,11 @@ class Engine:
         self.outbox = Outbox(credit_window())
         self._credit: int | None = None  # a window set by set_credit, for the engine thread
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
+        # messages for each server that are ready together leave as one batch (PS_BATCH_BYTES;
+        # 0: each alone), once it is that large or when the loop turns; the engine thread's
+        self.batch_bytes = batch_bytes()
+        self._outgoing: dict[int, list[list]] = {}
+        self._outgoing_bytes: dict[int, int] = {}
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
         # the engine thread; its ``fail`` if the engine ends first)
@@ -293,6 +298,8 @@ class Engine:
             sock.close(0)
         watches.clear()
         servers.clear()
+        self._outgoing.clear()
+        self._outgoing_bytes.clear()
         self.servers = list(addresses)
         for address in addresses:
             sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",
@@ -315,6 +322,7 @@ class Engine:
         poller, which = listen()
 
         def keep_alive() -> None:  # a tensor of thousands of keys takes seconds to send
+            self._flush()  # what is compressed so far leaves while the rest is
             for frames in drain(link.sock):  # the heartbeats' answers count as hearing
                 self._on_scheduler(link.handle(frames))
             link.tick()
@@ -358,11 +366,13 @@ class Engine:
                 elif not finishing:
                     # behind this worker's last push on each connection: a server fails at once
                     # any round this worker left unpushed, rather than let the others wait
+                    self._flush()
                     marker = wire.encode(Op.FINISH, sender=self.rank, **wire.epoch_field(self.epoch))
                     for sock in servers:
                         send(sock, marker)
                     link.finish(fields["failed"], fields["status"])
                     finishing = True
+            self._flush()
             if finishing and link.shutdown:
                 return
             link.tick()
@@ -477,7 +487,25 @@ class Engine:
             self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
 
     def _send_to(self, server: int, frames: list) -> None:
-        send(self._sockets[server], frames)
+        if not self.batch_bytes:
+            send(self._sockets[server], frames)
+            return
+        self._outgoing.setdefault(server, []).append(frames)
+        size = self._outgoing_bytes[server] = \
+            self._outgoing_bytes.get(server, 0) + sum(memoryview(f).nbytes for f in frames)
+        if size >= self.batch_bytes:
+            self._flush_to(server)
+
+    def _flush(self) -> None:
+        """Send every server what waits for it (before the loop waits, and before a finish)."""
+        for server in list(self._outgoing):
+            self._flush_to(server)
+
+    def _flush_to(self, server: int) -> None:
+        messages = self._outgoing.pop(server, [])
+        self._outgoing_bytes.pop(server, None)
+        if messages:
+            send(self._sockets[server], messages[0] if len(messages) == 1 else wire.batch(messages))
 
     def _send_fetch(self, call: Replies, servers: int) -> None:
         for key, rnd in self.customer.fetch(call):
@@ -491,11 +519,17 @@ class Engine:
                                  **wire.epoch_field(self.epoch))
             self._send_to(self.slicer.server_of(key, servers), frames)
 
-    def _on_answer(self, server: int, frames: list) -> None:
+    def _on_answer(self, server: int, frames: list, batched: bool = False) -> None:
         try:
             msg = wire.decode(frames)
         except wire.WireError as exc:
             raise ClusterError(f"server {server} sent a malformed answer: {exc}") from None
+        if msg.op == Op.BATCH:
+            if batched:
+                raise ClusterError(f"server {server} sent a batch inside a batch")
+            for part in wire.unbatch(frames, msg):
+                self._on_answer(server, part, batched=True)
+            return
         if msg.extra.get("epoch", 0) != self.epoch:
             return  # an answer of the old membership's, whose rounds this worker abandoned
         if msg.op == Op.STALL:

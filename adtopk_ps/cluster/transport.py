@@ -12,6 +12,7 @@ import logging
 import os
 import time
 import uuid
+from typing import Mapping
 
 import zmq
 
@@ -87,6 +88,13 @@ def send(sock: zmq.Socket, frames: list, identity: bytes | None = None) -> None:
     if identity is not None:
         frames = [identity, *frames]
     sock.send_multipart(frames, copy=False)
+
+
+def batch_bytes(environ: Mapping[str, str] | None = None) -> int:
+    """``PS_BATCH_BYTES``: the messages to one peer that are ready together travel as one
+    batch (wire's ``batch``) until it holds this many bytes, then the batch leaves and the
+    next begins (default 1 MiB); 0 sends every message alone."""
+    return env_int("PS_BATCH_BYTES", 1 << 20, minimum=0, environ=environ)
 
 
 def drain(sock: zmq.Socket, limit: int = 64):

@@ -1,7 +1,8 @@
 """The wire format: what nodes send each other, and the checks on what they receive.
 
 - messages.py: the ops (``Op``), ``encode`` and ``decode`` of one message (a msgpack
-  header, then raw buffers), and the envelope every message has.
+  header, then raw buffers), the envelope every message has, and ``batch``/``unbatch``,
+  several messages to one peer in one.
 - frames.py: how a compressed tensor (core/payload.py's ``Payload``) goes into
   a message: its header fields and its zero-copy buffers, and ``payload_nbytes``, the
   exact bytes they come to.
@@ -17,7 +18,8 @@ Example::
 """
 from adtopk_ps.wire.frames import payload_nbytes
 from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op,
-                                     WireError, decode, encode, envelope, epoch_field)
+                                     WireError, batch, decode, encode, envelope, epoch_field,
+                                     unbatch)
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
-           "decode", "encode", "envelope", "epoch_field", "payload_nbytes"]
+           "batch", "decode", "encode", "envelope", "epoch_field", "payload_nbytes", "unbatch"]

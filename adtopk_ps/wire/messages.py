@@ -15,6 +15,10 @@ A server that re-sparsifies its answers keeps a residual per sparse key, which a
 checkpoint must hold as a worker's residuals are: ``fetch`` asks for a key's residual as
 of its round, and the server answers ``residual`` with the tensor (none where it holds
 none); a ``residual`` from a worker puts one back before the key's round completes.
+A ``batch`` carries several messages to one peer in one (``counts``: each message's frames,
+in order), so that a step's many small keys cost one send and one receive, not one each;
+each message in it is decoded and checked on its own. A server answers in batches only a
+peer that sends them.
 """
 from __future__ import annotations
 
@@ -37,7 +41,9 @@ from adtopk_ps.wire.frames import payload_buffers, payload_fields
 #: 5: a push may ask for a receipt (``ack: true``, a worker's credit window); the server
 #:    then sends ``received`` for it before any answer
 #: 6: fetch and residual: a re-sparsifying server's residuals into and out of checkpoints
-PROTOCOL = 6
+#: 7: batch: several messages to one peer in one
+PROTOCOL = 7
+MAX_BATCH = 1 << 16  # messages in one batch
 
 
 class Op(str, Enum):
@@ -65,6 +71,7 @@ class Op(str, Enum):
     # server -> worker: the residual fetched (no tensor: none held); worker -> server: one to
     # put back before ``round`` of ``key`` completes (a resumed checkpoint's)
     RESIDUAL = "residual"
+    BATCH = "batch"  # either way: several messages to one peer, their frames one after another
 
     def __str__(self) -> str:
         return self.value
@@ -148,6 +155,13 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
             payload = payload_from_fields(meta, frames[1:], max_numel=max_numel)
         except PayloadError as exc:
             raise WireError(f"{op} for key {header['key']}: {exc}") from None
+    elif op == Op.BATCH:
+        counts = header.get("counts")
+        if not isinstance(counts, list) or not 0 < len(counts) <= MAX_BATCH or not all(
+                type(c) is int and c > 0 for c in counts) or sum(counts) != len(frames) - 1:
+            raise WireError(f"batch field 'counts' must list up to {MAX_BATCH} positive frame "
+                            f"counts adding up to the {len(frames) - 1} frame(s) that follow, "
+                            f"got {counts!r:.60}")
     elif len(frames) > 1:
         raise WireError(f"{op} carries no tensor, but {len(frames) - 1} data frame(s) came with it")
     extra = {k: v for k, v in header.items() if k not in _ENVELOPE}
@@ -172,6 +186,30 @@ def _check_nonfinite(op: Op, flag: object) -> None:
                             f"increasing order, got {flag!r:.60}")
     else:
         raise WireError(f"{op} carries no 'nonfinite' field; only push and result do")
+
+
+def batch(messages: list[list]) -> list:
+    """Frames for one ``batch`` of ``messages`` (each a message's frames, as :func:`encode`
+    makes them), in order.
+
+    Example::
+
+        send(sock, wire.batch([wire.encode(Op.PUSH, key=1, payload=p), wire.encode(Op.PUSH, key=2, payload=q)]))
+    """
+    header = msgpack.packb({"v": PROTOCOL, "op": Op.BATCH.value, "key": 0, "round": 0,
+                            "sender": 0, "counts": [len(m) for m in messages]})
+    return [header, *(f for m in messages for f in m)]
+
+
+def unbatch(frames: Sequence, msg: Message) -> list[list]:
+    """The messages of a ``batch`` that :func:`decode` returned as ``msg``, each as its frames,
+    to be decoded on its own (where one is a batch again, its receiver refuses it: batches
+    do not nest)."""
+    out, at = [], 1
+    for count in msg.extra["counts"]:
+        out.append(list(frames[at:at + count]))
+        at += count
+    return out
 
 
 def epoch_field(epoch: int) -> dict:
