@@ -6,11 +6,19 @@ the busiest server's push bytes over the mean, ADTopk at the density for the ten
 default policy sparsifies, dense for the rest. byteps' placement is its 4 MB partitions,
 each on djb2 of its key modulo S. The last line is the balanced placement's worst ratio.
 
+With ``--cluster W``, a real local cluster of W workers and W servers trains a small CNN
+with ADTopk for three steps under each placement (``PS_PLACEMENT``), and the busiest
+server's push and answer bytes over the mean are added up from every worker's ledger.
+
     python benchmarks/placement.py [--ratio 0.01] [--servers 4 8 64 256]
+    python benchmarks/placement.py --cluster 8
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +34,7 @@ from adtopk_ps.cluster.placement import Item, imbalance, loads, plan, push_bytes
 from adtopk_ps.compression.policy import SparsificationPolicy  # noqa: E402
 
 MODELS = ("vgg16", "resnet50", "bert-base")
+JOB = Path(__file__).resolve().parent.parent / "tests" / "programs" / "placement_check.py"
 ELEMENT_SIZE = 4  # float32 gradients
 
 
@@ -63,11 +72,39 @@ def balanced(entries: list[Item], num_servers: int) -> tuple[int, float]:
     return len(p.weights), imbalance(loads(p.weights, p.assign(num_servers), num_servers))
 
 
+def shares(stdout: str) -> tuple[float, float, int]:
+    """From a job's output (each worker's ``tally`` line): the busiest server's push and
+    answer bytes over the mean, added up over every worker, and the servers that got any."""
+    pushed: dict[str, int] = {}
+    pulled: dict[str, int] = {}
+    for line in stdout.splitlines():
+        if "tally " in line:
+            tally = json.loads(line.split("tally ", 1)[1])
+            for server, size in tally["pushed"].items():
+                pushed[server] = pushed.get(server, 0) + size
+            for server, size in tally["pulled"].items():
+                pulled[server] = pulled.get(server, 0) + size
+    return imbalance(list(pushed.values())), imbalance(list(pulled.values())), len(pushed)
+
+
+def cluster(workers: int, placement: str, timeout: float = 600) -> tuple[float, float, int]:
+    """Run the small CNN's job on ``workers`` workers and as many servers under ``placement``."""
+    out = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
+                          str(workers), "--num-servers", str(workers), "--", sys.executable, str(JOB)],
+                         env={**os.environ, "PS_PLACEMENT": placement}, capture_output=True,
+                         text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {placement} job failed ({out.returncode}): {out.stdout[-2000:]}")
+    return shares(out.stdout)
+
+
 def main(argv: list[str] | None = None) -> float:
     """Print one line per model and S, and last the balanced placement's worst ratio."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ratio", type=float, default=0.01)
     parser.add_argument("--servers", type=int, nargs="+", default=[4, 8, 64, 256])
+    parser.add_argument("--cluster", type=int, metavar="W",
+                        help="also run a real job on W workers and W servers under each placement")
     args = parser.parse_args(argv)
     print(f"{'model':<10} {'S':>4} {'byteps keys':>11} {'busiest/mean':>12} "
           f"{'balanced keys':>13} {'busiest/mean':>12}")
@@ -79,6 +116,12 @@ def main(argv: list[str] | None = None) -> float:
             keys, ratio = balanced(entries, num_servers)
             worst = max(worst, ratio)
             print(f"{model:<10} {num_servers:>4} {bkeys:>11} {bratio:>11.2f}x {keys:>13} {ratio:>11.3f}x")
+    if args.cluster:
+        print(f"\nreal job, {args.cluster} workers x {args.cluster} servers, from the ledgers:")
+        for placement in ("hash", "balanced"):
+            pushed, pulled, used = cluster(args.cluster, placement)
+            print(f"{placement:<10} pushes {pushed:.3f}x  answers {pulled:.3f}x  "
+                  f"servers used {used} of {args.cluster}")
     print(f"worst balanced busiest/mean: {worst:.3f}x")
     return worst
 

@@ -1,7 +1,6 @@
 """The balanced placement: row ranges that cover every tensor, servers that share the bytes,
 the same answer on every worker, keys that never move while their rounds run, and a cluster
 whose servers carry even shares of a real training job's pushes and answers."""
-import json
 import sys
 from pathlib import Path
 
@@ -131,18 +130,6 @@ def test_a_placement_that_is_not_known_is_refused_naming_the_variable():
         ClusterConfig.from_env({**env, "PS_PLACEMENT": "rr"})
 
 
-def _shares(stdout: str) -> tuple[float, float, set]:
-    tallies = [json.loads(line.split("tally ", 1)[1]) for line in stdout.splitlines()
-               if "tally " in line]
-    pushed, pulled = {}, {}
-    for t in tallies:
-        for server, size in t["pushed"].items():
-            pushed[server] = pushed.get(server, 0) + size
-        for server, size in t["pulled"].items():
-            pulled[server] = pulled.get(server, 0) + size
-    return imbalance(list(pushed.values())), imbalance(list(pulled.values())), set(pushed)
-
-
 def test_a_training_jobs_servers_carry_even_shares_of_its_pushes_and_answers():
     """Four workers and four servers train a small CNN with ADTopk: from every worker's ledger,
     the busiest server's pushes and answers are within 1.15x the mean, and the replicas end
@@ -150,7 +137,7 @@ def test_a_training_jobs_servers_carry_even_shares_of_its_pushes_and_answers():
     out = bpslaunch("--local", "--num-workers", "4", "--num-servers", "4", "--", sys.executable,
                     str(ROOT / "tests" / "programs" / "placement_check.py"), timeout=240)
     assert out.returncode == 0, out.stdout
-    pushed, pulled, servers = _shares(out.stdout)
-    assert servers == {"0", "1", "2", "3"} and pushed <= 1.15 and pulled <= 1.15, (pushed, pulled)
+    pushed, pulled, servers = placement_benchmark.shares(out.stdout)
+    assert servers == 4 and pushed <= 1.15 and pulled <= 1.15, (pushed, pulled)
     digests = {line.split("digest ", 1)[1] for line in out.stdout.splitlines() if "digest " in line}
     assert len(digests) == 1
