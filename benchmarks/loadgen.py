@@ -26,13 +26,13 @@ the answers' density (values answered over elements of the keys), and per round 
 from the last worker's last push to the last answer's arrival (median and p90). Every
 answer is checked against the sum of the replayed pushes computed here. The per-server
 points of every run are fitted as server CPU = sigma x bytes + mu x pushes received, the
-form of the server term of benchmarks/step_model.py (``sigma``) with a per-key cost beside it.
+form of benchmarks/step_model.py's server term, which reads them from docs/loadgen.json.
 
     python benchmarks/loadgen.py                      # W = 16, 32, 64 at S = 4 and S = W/4
     python benchmarks/loadgen.py --workers 16 --servers 4 --rounds 20 --repeats 1
     python benchmarks/loadgen.py --report runs/*.json --json docs/loadgen.json   # pooled, fit
-    python benchmarks/loadgen.py --config configs/digits-cnn.yaml --at 0 --workers 4 \\
-        --servers 2 --rounds 3 --json /tmp/loadgen.json   # a small run, no Fashion-MNIST
+
+tests/test_loadgen.py runs a small one (W = 4, S = 2) on the digits CNN, without Fashion-MNIST.
 """
 from __future__ import annotations
 
