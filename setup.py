@@ -1,10 +1,14 @@
 """Only the compiled kernels live here; everything else is in setup.cfg."""
 from setuptools import Extension, setup
 
-# optional: without a C compiler the install still works, and selection and summing fall back
-# to torch kernels (tests/test_select_kernel.py and tests/test_sparse_sum.py fail loudly where
-# they should have been built)
+INDEX_TYPES = ["adtopk_ps/core/_index_types.h"]  # (included by the kernels that read positions)
+
+# optional: without a C compiler the install still works, and selection, summing and decoding
+# fall back to torch kernels (tests/test_select_kernel.py, tests/test_sparse_sum.py and
+# tests/test_payload_decoding.py fail loudly where they should have been built)
 setup(ext_modules=[Extension("adtopk_ps.compression._fibre", ["adtopk_ps/compression/_fibre.c"],
                              extra_compile_args=["-O3"], optional=True),
-                   Extension("server._sparse_sum", ["server/_sparse_sum.c"],
-                             extra_compile_args=["-O3"], optional=True)])
+                   Extension("server._sparse_sum", ["server/_sparse_sum.c"], depends=INDEX_TYPES,
+                             extra_compile_args=["-O3"], optional=True),
+                   Extension("adtopk_ps.core._sparse_write", ["adtopk_ps/core/_sparse_write.c"],
+                             depends=INDEX_TYPES, extra_compile_args=["-O3"], optional=True)])

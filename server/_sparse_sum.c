@@ -14,15 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The index types a payload may carry; int32 and int64 are signed. Each loop below is
- * written once per type, so the type is not looked at per entry. */
-#define FOR_INDEX_TYPE(size, BODY)                       \
-    switch (size) {                                      \
-    case 1: { typedef uint8_t index_t; BODY; } break;    \
-    case 2: { typedef uint16_t index_t; BODY; } break;   \
-    case 4: { typedef int32_t index_t; BODY; } break;    \
-    default: { typedef int64_t index_t; BODY; } break;   \
-    }
+#include "../adtopk_ps/core/_index_types.h"
 
 /* add(buf, numel, idx, idx_size, lead, n, rest, k, values, new, rows) -> how many new positions.
  * values and idx are [lead, k, rest]; entry (a, t, j) lands at (row(a) * n + idx) * rest + j,

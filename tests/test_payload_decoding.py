@@ -1,12 +1,17 @@
-"""The wire's payload decoder checks everything before it touches memory."""
+"""The wire's payload decoder checks everything before it touches memory, and a decoded
+payload is written into its tensor (the compiled sparse write) with torch's bits."""
+import dataclasses
+import math
+
 import msgpack
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from adtopk_ps import wire
 from adtopk_ps.compression import create
-from adtopk_ps.core.payload import PayloadError
+from adtopk_ps.core import sparse_write
+from adtopk_ps.core.payload import Payload, PayloadError
 from adtopk_ps.wire.checks import payload_from_fields
 
 from strategies import ENVELOPE, encoded_payload_bytes
@@ -203,6 +208,113 @@ def test_write_into_with_a_divisor_equals_dividing_afterwards(name, divisor):
     if name != "none":  # the flat positions are exactly where the values land
         flat = payload.decompress().view(-1)
         assert torch.equal(flat[payload.flat_positions()], payload.values.reshape(-1))
+
+
+def test_the_sparse_write_kernel_is_built_and_serves_answers():
+    # the install compiles it; a missing compiler would silently cost the speed-up
+    assert sparse_write._sparse_write is not None
+    x = torch.randn(12, 20)
+    for name in ("adtopk", "topk"):
+        payload = create(name, ratio=0.2).compress(x, "t", 1)
+        got = wire.decode(_encode(payload)).payload
+        assert sparse_write.applies(torch.empty_like(x), *_parts(got))
+
+
+_INDEX = [torch.uint8, torch.uint16, torch.int32, torch.int64]
+_OUT_VALUES = [(torch.float32, torch.float32), (torch.float64, torch.float64),
+               (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+               (torch.float32, torch.float16), (torch.float32, torch.bfloat16)]
+
+
+@st.composite
+def sparse_payloads(draw, dtype):
+    """A fibre (row set or not) or coo payload of ``dtype`` values whose positions may repeat and
+    come in any order, or ascend; values of every sign, signed zeros, infinities and NaNs."""
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0, 1e-8])
+    ascending = draw(st.booleans())
+
+    def values_like(shape):
+        vals = torch.randn(shape, generator=gen) * 10 ** draw(st.integers(-3, 3))
+        picks = torch.rand(shape, generator=gen) < draw(st.sampled_from([0.0, 0.1]))
+        vals[picks] = special[torch.randint(0, len(special), (int(picks.sum()),), generator=gen)]
+        return vals.to(dtype)
+
+    if draw(st.booleans()):
+        shape = tuple(draw(st.lists(st.integers(1, 9), min_size=1, max_size=3)))
+        numel = math.prod(shape)
+        count = draw(st.integers(0, 2 * numel))
+        idtype = draw(st.sampled_from([t for t in _INDEX if t != torch.uint8 or numel <= 256]))
+        positions = torch.randint(0, numel, (count,), generator=gen)
+        if ascending:
+            positions = positions.sort().values
+        return Payload("coo", shape, dtype, values_like(count), positions.to(idtype))
+    view = (draw(st.integers(1, 6)), draw(st.integers(1, 12)), *draw(st.lists(st.integers(1, 3), max_size=2)))
+    k = draw(st.integers(1, view[1]))
+    lead = view[0]
+    rows = None
+    if draw(st.booleans()):
+        rows = torch.randperm(view[0], generator=gen)[:draw(st.integers(0, view[0]))].sort().values
+        lead = rows.numel()
+    shape = (lead, k, *view[2:])
+    if draw(st.booleans()):  # distinct positions in a fibre, as ADTopk's
+        idx = torch.rand(lead, view[1], *view[2:], generator=gen).argsort(1)[:, :k]
+    else:
+        idx = torch.randint(0, view[1], shape, generator=gen)
+    if ascending:
+        idx = idx.sort(1).values
+    idtype = draw(st.sampled_from(_INDEX))
+    return Payload("fibre", view, dtype, values_like(shape), idx.to(idtype).contiguous(), view, rows=rows)
+
+
+def _parts(p):
+    return p.codec, p.values, p.indices, p.view, p.rows
+
+
+def _same_bits(a, b):
+    nan = a.isnan()
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return (torch.equal(nan, b.isnan())
+            and torch.equal(a.view(as_int)[~nan], b.view(as_int)[~nan]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(_OUT_VALUES), st.integers(1, 9), st.data())
+def test_the_compiled_write_has_the_torch_paths_bits(types, divisor, data):
+    """The compiled walk gives what torch's zero and scatter give, bit for bit (but a NaN's
+    payload), whatever was in the target; ``write_into`` does too, whichever path it takes."""
+    out_dtype, value_dtype = types
+    payload = data.draw(sparse_payloads(value_dtype))
+    payload = dataclasses.replace(payload, dtype=out_dtype)
+    out = torch.full(payload.shape, 7.0, dtype=out_dtype)
+    assert sparse_write.applies(out, *_parts(payload))
+    want = payload.accumulate_into(torch.full_like(out, 7.0).zero_(), divisor=divisor)
+    ascending = bool((payload.flat_positions().diff() >= 0).all())
+    # positions that go back are left to torch
+    wrote = sparse_write.write(out, *_parts(payload), divisor)
+    assert wrote == ascending
+    if wrote:
+        assert _same_bits(out, want)
+    assert _same_bits(payload.write_into(torch.full_like(out, 7.0), divisor), want)
+
+
+@pytest.mark.parametrize("payload, shape", [
+    (Payload("coo", (4,), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([1, 4])), (4,)),
+    (Payload("coo", (2, 2), torch.float32, torch.tensor([1.0, 2.0]), torch.tensor([-1, 0])), (2, 2)),
+    (Payload("fibre", (2, 3), torch.float32, torch.tensor([[1.0], [2.0]]), torch.tensor([[1], [3]]),
+             (2, 3)), (2, 3)),
+    (Payload("fibre", (2, 3), torch.float32, torch.tensor([[1.0]]), torch.tensor([[1]]), (2, 3),
+             rows=torch.tensor([2])), (2, 3)),
+])
+def test_a_position_out_of_bounds_raises_torchs_error(payload, shape):
+    """Payloads built in process (nothing checked them on the way): the compiled walk names the
+    position as torch's scatter does."""
+    assert sparse_write.applies(torch.empty(shape), *_parts(payload))
+    with pytest.raises(RuntimeError) as torch_error:
+        payload.accumulate_into(torch.zeros(shape))
+    with pytest.raises(RuntimeError) as compiled_error:
+        payload.write_into(torch.empty(shape))
+    assert str(compiled_error.value) == str(torch_error.value)
 
 
 def test_atheris_finds_nothing_but_named_errors(tmp_path):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from adtopk_ps.core import sparse_write
 from adtopk_ps.core.seeded import seeded_indices
 
 #: Codecs a payload may carry.
@@ -106,9 +107,15 @@ class Payload:
         return out
 
     def write_into(self, out: torch.Tensor, divisor: int = 1) -> torch.Tensor:
-        """``out[:] = decompress(self) / divisor``, on ``out``'s device, in one pass for dense payloads."""
+        """``out[:] = decompress(self) / divisor``, on ``out``'s device, in one pass: dense
+        payloads by a copy, sparse ones into a CPU tensor by the compiled walk of
+        :mod:`adtopk_ps.core.sparse_write` where it applies (torch's zero and scatter elsewhere)."""
         self._check_target(out)
         if self.codec != "dense":
+            parts = (self.codec, self.values, self.indices, self.view, self.rows)
+            if (type(divisor) is int and divisor >= 1 and sparse_write.applies(out, *parts)
+                    and sparse_write.write(out, *parts, divisor)):  # zeroes and places in one pass
+                return out
             return self.accumulate_into(out.zero_(), divisor=divisor)
         vals = self.values.view(self.shape)
         if divisor == 1:
