@@ -1,7 +1,7 @@
 """The compiled sparse sum (server/_sparse_sum.c) answers exactly what the torch path answers."""
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adtopk_ps.compression import create
@@ -63,6 +63,8 @@ def test_compiled_rounds_equal_the_torch_path_and_leave_clean_buffers(data, work
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(1, 5000), st.integers(0, 2**16), st.integers(0, 300), st.floats(0, 1))
+@example(100_000, 1, 40, 0.2)  # sorted: the bitmap's words would outnumber the list 4 to 1
+@example(64, 2, 300, 0.2)  # the bitmap
 def test_sums_are_taken_in_ascending_order_once_each(numel, seed, count, zeros):
     """Whatever the order of the list (repeats included), the nonzero sums come back by
     ascending position, each once, with their bits, and the buffer is left zeros; short
