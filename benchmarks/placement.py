@@ -1,14 +1,18 @@
 """How evenly the servers share a step's pushes: the balanced placement against byteps' hash.
 
-For VGG-16, ResNet-50 and BERT-base's parameters at S = 4, 8, 64 and 256 servers, from the
-placement code itself (``adtopk_ps.cluster.placement``): the keys each placement makes and
-the busiest server's push bytes over the mean, ADTopk at the density for the tensors the
-default policy sparsifies, dense for the rest. byteps' placement is its 4 MB partitions,
+For VGG-16, ResNet-50 and BERT-base's parameters at S = 4, 8, 64 and 256 servers, one beside
+each of as many workers, from the placement code itself (``adtopk_ps.cluster.placement``):
+the keys each placement makes and the busiest server's bytes over the mean, push and
+answer (``exchange_bytes``), ADTopk at the density for the tensors the default policy
+sparsifies, dense for the rest. byteps' placement is its 4 MB partitions,
 each on djb2 of its key modulo S. The last line is the balanced placement's worst ratio.
 
 With ``--cluster W``, a real local cluster of W workers and W servers trains a small CNN
 with ADTopk for three steps under each placement (``PS_PLACEMENT``), and the busiest
-server's push and answer bytes over the mean are added up from every worker's ledger.
+server's push and answer bytes over the mean are added up from every worker's ledger: with
+a head of 100 classes (sparsified, as a large model's layers are), and of 10 (a dense head
+that carries a tenth of the step's bytes in 10 rows, which no cut between rows can share
+evenly).
 
     python benchmarks/placement.py [--ratio 0.01] [--servers 4 8 64 256]
     python benchmarks/placement.py --cluster 8
@@ -30,7 +34,8 @@ from compression import GRADIENT_SETS  # noqa: E402
 
 from adtopk_ps.cluster.membership import (DEFAULT_PARTITION_BYTES, make_key,  # noqa: E402
                                           partition_rows, server_of)
-from adtopk_ps.cluster.placement import Item, imbalance, loads, plan, push_bytes  # noqa: E402
+from adtopk_ps.cluster.placement import (Item, exchange_bytes, imbalance, loads, plan,  # noqa: E402
+                                         push_bytes)
 from adtopk_ps.compression.policy import SparsificationPolicy  # noqa: E402
 
 MODELS = ("vgg16", "resnet50", "bert-base")
@@ -45,12 +50,18 @@ def parameters(model: str) -> list[tuple[int, ...]]:
     return [s for w in weights for s in (w, (w[0],))]
 
 
-def items(shapes: list[tuple[int, ...]], ratio: float) -> list[Item]:
-    """Each tensor with the bytes its push moves under the default policy at ``ratio``."""
+def items(shapes: list[tuple[int, ...]], ratio: float, workers: int | None = None) -> list[Item]:
+    """Each tensor with the bytes it moves each step under the default policy at ``ratio``:
+    its push, and with ``workers`` its answer too (``exchange_bytes``)."""
     policy = SparsificationPolicy(ratio=ratio)
-    return [Item(i, s, ELEMENT_SIZE,
-                 push_bytes(s, ELEMENT_SIZE, None if policy.is_dense(s, torch.float32) else ratio))
-            for i, s in enumerate(shapes)]
+    out = []
+    for i, s in enumerate(shapes):
+        sparse = not policy.is_dense(s, torch.float32)
+        density = ratio if sparse else None
+        weight = push_bytes(s, ELEMENT_SIZE, density) if workers is None else \
+            exchange_bytes(s, ELEMENT_SIZE, density, workers)
+        out.append(Item(i, s, ELEMENT_SIZE, weight, sparse))
+    return out
 
 
 def byteps(entries: list[Item], num_servers: int) -> tuple[int, float]:
@@ -87,10 +98,13 @@ def shares(stdout: str) -> tuple[float, float, int]:
     return imbalance(list(pushed.values())), imbalance(list(pulled.values())), len(pushed)
 
 
-def cluster(workers: int, placement: str, timeout: float = 600) -> tuple[float, float, int]:
-    """Run the small CNN's job on ``workers`` workers and as many servers under ``placement``."""
+def cluster(workers: int, placement: str, classes: int = 100,
+            timeout: float = 600) -> tuple[float, float, int]:
+    """Run the small CNN's job, its head of ``classes``, on ``workers`` workers and as many
+    servers under ``placement``."""
     out = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
-                          str(workers), "--num-servers", str(workers), "--", sys.executable, str(JOB)],
+                          str(workers), "--num-servers", str(workers), "--", sys.executable, str(JOB),
+                          str(classes)],
                          env={**os.environ, "PS_PLACEMENT": placement}, capture_output=True,
                          text=True, timeout=timeout)
     if out.returncode != 0:
@@ -110,18 +124,19 @@ def main(argv: list[str] | None = None) -> float:
           f"{'balanced keys':>13} {'busiest/mean':>12}")
     worst = 0.0
     for model in MODELS:
-        entries = items(parameters(model), args.ratio)
         for num_servers in args.servers:
+            entries = items(parameters(model), args.ratio, num_servers)  # a server per worker
             bkeys, bratio = byteps(entries, num_servers)
             keys, ratio = balanced(entries, num_servers)
             worst = max(worst, ratio)
             print(f"{model:<10} {num_servers:>4} {bkeys:>11} {bratio:>11.2f}x {keys:>13} {ratio:>11.3f}x")
     if args.cluster:
         print(f"\nreal job, {args.cluster} workers x {args.cluster} servers, from the ledgers:")
-        for placement in ("hash", "balanced"):
-            pushed, pulled, used = cluster(args.cluster, placement)
-            print(f"{placement:<10} pushes {pushed:.3f}x  answers {pulled:.3f}x  "
-                  f"servers used {used} of {args.cluster}")
+        for classes in (100, 10):
+            for placement in ("hash", "balanced"):
+                pushed, pulled, used = cluster(args.cluster, placement, classes)
+                print(f"head {classes:>3}, {placement:<8} pushes {pushed:.3f}x  answers "
+                      f"{pulled:.3f}x  servers used {used} of {args.cluster}")
     print(f"worst balanced busiest/mean: {worst:.3f}x")
     return worst
 

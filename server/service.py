@@ -183,10 +183,13 @@ class Server:
         if peer not in self.batching or not self.batch_bytes:
             send(self.data, frames, peer)
             return
-        self._outgoing.setdefault(peer, []).append(frames)
-        size = self._outgoing_bytes[peer] = \
-            self._outgoing_bytes.get(peer, 0) + sum(memoryview(f).nbytes for f in frames)
-        if size >= self.batch_bytes:
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self._outgoing_bytes.get(peer, 0) + size > self.batch_bytes:
+            self._flush_to(peer)  # a batch holds no more than PS_BATCH_BYTES, bar one message
+        waiting = self._outgoing.setdefault(peer, [])
+        waiting.append(frames)
+        self._outgoing_bytes[peer] = self._outgoing_bytes.get(peer, 0) + size
+        if len(waiting) == wire.MAX_BATCH or self._outgoing_bytes[peer] >= self.batch_bytes:
             self._flush_to(peer)
 
     def _flush(self) -> None:
@@ -294,6 +297,8 @@ class Server:
         self.epoch, self.workers = epoch, workers
         self.aggregator = self._aggregator(workers)
         self.waiting, self.senders, self.finished, self.dead = {}, {}, set(), {}
+        self._flush()  # (answers of the old membership, which its workers drop)
+        self.batching = set()  # every worker connects anew for the new membership
         self.stalls = StallWatch.from_env()
         early, self.early, self.early_bytes = self.early, [], 0
         for pushed, identity, frames in early:  # this epoch's served; later ones kept again

@@ -334,3 +334,52 @@ def test_a_checkpoints_server_residuals_are_checked_against_this_jobs_keys(clien
         client.restore_server_residuals([entry])
     with pytest.raises(PushPullError, match=rf"server 0 refused key \d+ of 'w': {refusal}"):
         client.push_pull(grad, "w", average=False).wait(30)
+
+
+def test_the_engine_batches_what_is_ready_for_a_server_within_its_limits(monkeypatch):
+    """Messages for one server leave as batches of at most PS_BATCH_BYTES (one larger message
+    alone) and at most wire.MAX_BATCH messages, in order, and nothing waits after a flush."""
+    import zmq
+
+    from adtopk_ps import wire
+    from adtopk_ps.client.engine import Engine
+    from adtopk_ps.cluster.membership import ClusterConfig
+    monkeypatch.setenv("PS_BATCH_BYTES", "4096")
+    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "1",
+                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                     "DMLC_PS_ROOT_PORT": "9"})
+    ctx = zmq.Context()
+    engine = Engine(config, ctx)  # its thread is never started: the test drives the sends
+    near, far = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    near.bind("inproc://batches")
+    far.connect("inproc://batches")
+    try:
+        engine._sockets = [near]
+        small = [wire.encode(wire.Op.FETCH, key=k, sender=0) for k in range(wire.MAX_BATCH + 10)]
+        big = wire.encode(wire.Op.RESIDUAL, key=1, payload=create_dense(3000))
+        for frames in small[:100] + [big] + small[100:]:
+            engine._send_to(0, frames)
+        engine._flush()
+        assert engine._outgoing == {}
+        keys, sizes = [], []
+        while far.poll(100):
+            frames = far.recv_multipart()
+            msg = wire.decode(frames)
+            parts = wire.unbatch(frames, msg) if msg.op == wire.Op.BATCH else [frames]
+            assert len(parts) <= wire.MAX_BATCH
+            sizes.append(sum(len(f) for p in parts for f in p))  # the messages', not the header's
+            keys += [wire.decode(p).key for p in parts]
+        assert keys == list(range(100)) + [1] + list(range(100, wire.MAX_BATCH + 10))
+        big_size = sum(len(bytes(f)) for f in big)
+        assert all(size <= 4096 or size == big_size for size in sizes) and big_size in sizes
+    finally:
+        near.close(0)
+        far.close(0)
+        engine.stop(0)
+        engine._wake_in.close(0)
+        ctx.term()
+
+
+def create_dense(n):
+    from adtopk_ps.compression import Dense
+    return Dense().compress(torch.ones(n), "residual")

@@ -6,9 +6,10 @@ One background thread owns every socket: it takes every tensor queued at once
 as one batch in priority order (later layers, whose gradients the backward pass
 produces first, go first), splits them into keys, hands each compressor its
 keys of the batch in one call (ADTopk's CUDA kernel selects them in one launch),
-sends each key as soon as its payload is ready (many keys in flight on one
-DEALER per server), and writes each answer into the handle's output as it
-arrives.
+sends each key's payload as it comes (many keys in flight on one DEALER per server:
+the messages for one server that are ready together leave as one ``batch`` of up to
+``PS_BATCH_BYTES``, and whatever waits leaves before the thread waits, or every 256 keys
+of a long batch), and writes each answer into the handle's output as it arrives.
 
 With ``PS_CREDIT_BYTES`` the pushes to each server pass a credit window (credit.py): at most that many bytes the
 server has not yet acknowledged receiving are on their way, and the rest wait in
@@ -102,7 +103,8 @@ class Engine:
     def __init__(self, config: ClusterConfig, ctx: zmq.Context, slicer: Slicer | None = None):
         self.config, self.ctx = config, ctx
         # which server each key goes to (the client's; byteps' partitions where it plans none)
-        self.slicer = slicer or Slicer(config.num_servers, config.partition_bytes, config.placement)
+        self.slicer = slicer or Slicer(config.num_servers, config.partition_bytes, config.placement,
+                                        config.elastic)
         self.size = config.num_workers
         self.rank = -1
         self.servers: list[str] = []
@@ -490,10 +492,13 @@ class Engine:
         if not self.batch_bytes:
             send(self._sockets[server], frames)
             return
-        self._outgoing.setdefault(server, []).append(frames)
-        size = self._outgoing_bytes[server] = \
-            self._outgoing_bytes.get(server, 0) + sum(memoryview(f).nbytes for f in frames)
-        if size >= self.batch_bytes:
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self._outgoing_bytes.get(server, 0) + size > self.batch_bytes:
+            self._flush_to(server)  # a batch holds no more than PS_BATCH_BYTES, bar one message
+        waiting = self._outgoing.setdefault(server, [])
+        waiting.append(frames)
+        self._outgoing_bytes[server] = self._outgoing_bytes.get(server, 0) + size
+        if len(waiting) == wire.MAX_BATCH or self._outgoing_bytes[server] >= self.batch_bytes:
             self._flush_to(server)
 
     def _flush(self) -> None:

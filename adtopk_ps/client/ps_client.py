@@ -29,7 +29,7 @@ from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import keys_of, saved, to_restore
 from adtopk_ps.client.slicer import Slicer
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, make_key, name_id
-from adtopk_ps.cluster.placement import Item, push_bytes
+from adtopk_ps.cluster.placement import Item, exchange_bytes
 from adtopk_ps.cluster.transport import ClusterError, security
 from adtopk_ps.compression import Compressor, Dense
 from adtopk_ps.core.dtypes import FLOAT_DTYPES
@@ -64,7 +64,7 @@ class PSClient:
         self._unnamed: dict[str, int] = {}  # unnamed collectives made so far, by kind
         self._closed = False
         self.slicer = Slicer(self.config.num_servers, self.config.partition_bytes,
-                             self.config.placement)
+                             self.config.placement, self.config.elastic)
         self._engine = Engine(self.config, self.ctx, self.slicer)
         self._engine.on_standin = self._stand_in
         try:
@@ -385,7 +385,8 @@ class PSClient:
     def plan(self, tensors: list[tuple[str, torch.Tensor, float | None]]) -> None:
         """Lay out, as one group, the keys of tensors every worker agreed to push, each
         given as (name, tensor, density: None where it travels dense): their row ranges
-        spread over every server by the bytes each push moves (``cluster/placement.py``).
+        spread over every server by the bytes each moves, push and answer
+        (``cluster/placement.py``).
         Every worker must plan the same tensors in the same order; a tensor declared or
         planned before keeps its keys.
 
@@ -399,7 +400,9 @@ class PSClient:
             shape = tuple(tensor.shape)
             if (name, tensor.dtype, shape) not in self._layouts:
                 items.append(Item(self._tensor_id(name, tensor.dtype, shape), shape,
-                                  tensor.element_size(), push_bytes(shape, tensor.element_size(), ratio)))
+                                  tensor.element_size(),
+                                  exchange_bytes(shape, tensor.element_size(), ratio,
+                                                 self.config.num_workers), ratio is not None))
         self.slicer.plan(items)
         for name, tensor, _ in tensors:
             self._declare(name, tensor)

@@ -8,8 +8,9 @@ servers would start with nothing held. So a checkpoint takes the servers' residu
 theirs completes.
 
 Keys are named in a checkpoint by tensor name and partition, not only by key id: a job
-resumed with other partitions (``BYTEPS_PARTITION_BYTES``) or another model has other
-keys, and a residual that fits none of them is refused, naming it.
+resumed with other partitions (``BYTEPS_PARTITION_BYTES``, another ``DMLC_NUM_SERVER`` or
+density, by which the placement cuts) or another model has other keys, and a residual that
+fits none of them is refused, naming it.
 """
 from __future__ import annotations
 
@@ -106,8 +107,9 @@ def to_restore(entries: object, layout_of: Callable[[str, torch.dtype, tuple], K
         if not (type(part) is int and 0 <= part < len(keys) and keys[part] == key
                 and tuple(residual.shape) == part_shape(layout, part)):
             raise ValueError(f"the servers' residual of {name!r} (partition {part}, key {key}) fits "
-                             f"no key of this job: its partitions (BYTEPS_PARTITION_BYTES) differ "
-                             f"from the job that saved it")
+                             f"no key of this job: its partitions differ from the job that saved "
+                             f"it (the placement cuts by BYTEPS_PARTITION_BYTES, DMLC_NUM_SERVER, "
+                             f"PS_PLACEMENT and the densities; resume with the same)")
         what = f"the servers' residual of {name!r} (partition {part})"
         if residual.layout != torch.strided or residual.is_meta or residual.dtype != dtype:
             raise ValueError(f"{what} must be a {dtype} tensor with values, got {residual.dtype} "

@@ -21,6 +21,7 @@ through the servers or is all-reduced among the workers.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import os
 import weakref
@@ -479,7 +480,8 @@ class GradientSync:
             layout = c.layout_of(name)
             return None if layout is None else (layout.shape, layout.blocks)
 
-        self.compression.load_state_dict(parted(state["compression"], laid_out))
+        # (a checkpoint kept by partition, as older ones are, is joined first: cut anew too)
+        self.compression.load_state_dict(parted(whole(state["compression"]), laid_out))
         self._steps = state["steps"]
 
     # -- set-up -----------------------------------------------------------------------------
@@ -541,6 +543,7 @@ class GradientSync:
         trial where ``overlap`` is "auto"."""
         self.compression.plan(self._named)
         self._lay_out_plans()
+        self._agree_keys()
         overlaps = [True, False] if overlap == "auto" else [overlap]  # a trial starts with overlap
         # crossing the barrier, the answers of a step are read after the next has begun: its
         # trial keeps the first plan (its layout stays) and times the credits alone
@@ -586,6 +589,22 @@ class GradientSync:
         # servers share its keys by the bytes they move; the routes' plan is the one used
         for plan in [*self._plans, self._plans[0]]:
             self._use_plan(plan)
+
+    def _agree_keys(self) -> None:
+        """Every worker must have cut its tensors into the same keys on the same servers. The
+        placement follows the order tensors were planned in (``PSClient.plan``): an elastic
+        joiner that planned in one go what the others planned in two (a layer unfrozen
+        meanwhile) would push other keys elsewhere. Refused on every worker, naming it,
+        rather than left to hang."""
+        c = client()
+        names = sorted({name for name, _ in self._named} |
+                       {b.name for plan in self._plans if plan.layout is not None
+                        for b in plan.layout.buckets})
+        laid = [(name, layout.blocks, [c.slicer.server_of(k, len(c.servers)) for k in layout.keys])
+                for name in names if (layout := c.layout_of(name)) is not None]
+        digest = hashlib.sha256(repr(laid).encode()).hexdigest()[:16]
+        agree({"settings": {"the keys their tensors are cut into, and their servers": digest},
+               "parameters": [], "buckets": []}, allgather_object, name=".agreement.keys")
 
     def _use_plan(self, plan: Plan) -> None:
         """Route by ``plan`` from the next gradient on (between steps only)."""

@@ -17,9 +17,10 @@ Example::
     wire.payload_nbytes(payload)       # the payload's share of the frames' bytes
 """
 from adtopk_ps.wire.frames import payload_nbytes
-from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, PROTOCOL, TENSOR_OPS, Message, Op,
+from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, MAX_BATCH, PROTOCOL, TENSOR_OPS,
+                                     Message, Op,
                                      WireError, batch, decode, encode, envelope, epoch_field,
                                      unbatch)
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "MAX_BATCH", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
            "batch", "decode", "encode", "envelope", "epoch_field", "payload_nbytes", "unbatch"]

@@ -43,7 +43,7 @@ from adtopk_ps.wire.frames import payload_buffers, payload_fields
 #: 6: fetch and residual: a re-sparsifying server's residuals into and out of checkpoints
 #: 7: batch: several messages to one peer in one
 PROTOCOL = 7
-MAX_BATCH = 1 << 16  # messages in one batch
+MAX_BATCH = 4096  # messages in one batch (their counts fit the header's limit)
 
 
 class Op(str, Enum):
