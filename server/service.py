@@ -20,8 +20,8 @@ import zmq
 
 from adtopk_ps import wire
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
-from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, batch_bytes, drain,
-                                         make_socket, send)
+from adtopk_ps.cluster.transport import (Batches, ClusterError, SchedulerLink, batch_bytes,
+                                         drain, make_socket, send)
 from adtopk_ps.compression import Compressor, Dense, create
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
@@ -132,9 +132,7 @@ class Server:
         # peers that send batches get their answers in batches, gathered while a burst of
         # messages is served and sent before the loop waits again (``_flush``)
         self.batching: set[bytes] = set()
-        self.batch_bytes = batch_bytes()  # PS_BATCH_BYTES: 0 answers every message alone
-        self._outgoing: dict[bytes, list[list]] = {}
-        self._outgoing_bytes: dict[bytes, int] = {}
+        self._batches = Batches(batch_bytes(), lambda peer, frames: send(self.data, frames, peer))
 
     def _aggregator(self, workers: int) -> Aggregator:
         how = self.resparsify
@@ -180,27 +178,13 @@ class Server:
     def _reply(self, peer: bytes, frames: list) -> None:
         """Send ``frames`` to ``peer``: at once, or into its next batch where it sends
         batches (which leaves once it holds ``PS_BATCH_BYTES``, or when the loop waits again)."""
-        if peer not in self.batching or not self.batch_bytes:
+        if peer in self.batching:
+            self._batches.add(peer, frames)
+        else:
             send(self.data, frames, peer)
-            return
-        size = sum(memoryview(f).nbytes for f in frames)
-        if self._outgoing_bytes.get(peer, 0) + size > self.batch_bytes:
-            self._flush_to(peer)  # a batch holds no more than PS_BATCH_BYTES, bar one message
-        waiting = self._outgoing.setdefault(peer, [])
-        waiting.append(frames)
-        self._outgoing_bytes[peer] = self._outgoing_bytes.get(peer, 0) + size
-        if len(waiting) == wire.MAX_BATCH or self._outgoing_bytes[peer] >= self.batch_bytes:
-            self._flush_to(peer)
 
     def _flush(self) -> None:
-        for peer in list(self._outgoing):
-            self._flush_to(peer)
-
-    def _flush_to(self, peer: bytes) -> None:
-        messages = self._outgoing.pop(peer, [])
-        self._outgoing_bytes.pop(peer, None)
-        if messages:
-            send(self.data, messages[0] if len(messages) == 1 else wire.batch(messages), peer)
+        self._batches.flush()
 
     def on_push(self, identity: bytes, frames: list, batched: bool = False) -> None:
         """Decode, check and aggregate one message (each of a batch's in turn); a bad one

@@ -360,7 +360,7 @@ def test_the_engine_batches_what_is_ready_for_a_server_within_its_limits(monkeyp
         for frames in small[:100] + [big] + small[100:]:
             engine._send_to(0, frames)
         engine._flush()
-        assert engine._outgoing == {}
+        assert engine._batches.waiting == {}
         keys, sizes = [], []
         while far.poll(100):
             frames = far.recv_multipart()

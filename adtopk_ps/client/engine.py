@@ -41,8 +41,8 @@ from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.client.slicer import Slicer
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, split
-from adtopk_ps.cluster.transport import (ClusterError, SchedulerLink, batch_bytes, drain,
-                                         make_socket, register_timeout, send)
+from adtopk_ps.cluster.transport import (Batches, ClusterError, SchedulerLink, batch_bytes,
+                                         drain, make_socket, register_timeout, send)
 from adtopk_ps.compression import Compressor, Dense, Request, start_each
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
@@ -133,9 +133,8 @@ class Engine:
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
         # messages for each server that are ready together leave as one batch (PS_BATCH_BYTES;
         # 0: each alone), once it is that large or when the loop turns; the engine thread's
-        self.batch_bytes = batch_bytes()
-        self._outgoing: dict[int, list[list]] = {}
-        self._outgoing_bytes: dict[int, int] = {}
+        self._batches = Batches(batch_bytes(),
+                                lambda server, frames: send(self._sockets[server], frames))
         self._commands: list[tuple[Op, int, dict]] = []
         # request id -> the call waiting for the scheduler's answer (its ``answered`` runs on
         # the engine thread; its ``fail`` if the engine ends first)
@@ -300,8 +299,7 @@ class Engine:
             sock.close(0)
         watches.clear()
         servers.clear()
-        self._outgoing.clear()
-        self._outgoing_bytes.clear()
+        self._batches.clear()
         self.servers = list(addresses)
         for address in addresses:
             sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",
@@ -489,28 +487,11 @@ class Engine:
             self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
 
     def _send_to(self, server: int, frames: list) -> None:
-        if not self.batch_bytes:
-            send(self._sockets[server], frames)
-            return
-        size = sum(memoryview(f).nbytes for f in frames)
-        if self._outgoing_bytes.get(server, 0) + size > self.batch_bytes:
-            self._flush_to(server)  # a batch holds no more than PS_BATCH_BYTES, bar one message
-        waiting = self._outgoing.setdefault(server, [])
-        waiting.append(frames)
-        self._outgoing_bytes[server] = self._outgoing_bytes.get(server, 0) + size
-        if len(waiting) == wire.MAX_BATCH or self._outgoing_bytes[server] >= self.batch_bytes:
-            self._flush_to(server)
+        self._batches.add(server, frames)
 
     def _flush(self) -> None:
         """Send every server what waits for it (before the loop waits, and before a finish)."""
-        for server in list(self._outgoing):
-            self._flush_to(server)
-
-    def _flush_to(self, server: int) -> None:
-        messages = self._outgoing.pop(server, [])
-        self._outgoing_bytes.pop(server, None)
-        if messages:
-            send(self._sockets[server], messages[0] if len(messages) == 1 else wire.batch(messages))
+        self._batches.flush()
 
     def _send_fetch(self, call: Replies, servers: int) -> None:
         for key, rnd in self.customer.fetch(call):

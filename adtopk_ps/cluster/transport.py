@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Mapping
+from typing import Callable, Mapping
 
 import zmq
 
@@ -95,6 +95,56 @@ def batch_bytes(environ: Mapping[str, str] | None = None) -> int:
     batch (wire's ``batch``) until it holds this many bytes, then the batch leaves and the
     next begins (default 1 MiB); 0 sends every message alone."""
     return env_int("PS_BATCH_BYTES", 1 << 20, minimum=0, environ=environ)
+
+
+class Batches:
+    """The messages for each peer that are ready together, sent as one ``batch`` (wire.py):
+    a batch leaves once it holds ``limit`` bytes (a message that would take it past leaves
+    it first; one larger alone) or ``wire.MAX_BATCH`` messages, and whatever waits leaves at
+    :meth:`flush`. ``limit`` 0 sends every message at once, alone.
+
+    Example::
+
+        batches = Batches(batch_bytes(), lambda peer, frames: send(sock, frames, peer))
+        batches.add(peer, wire.encode(Op.RESULT, key=1, payload=p))
+        batches.flush()   # before the loop waits
+    """
+
+    def __init__(self, limit: int, deliver: Callable[[object, list], None]):
+        self.limit, self._deliver = limit, deliver
+        self.waiting: dict[object, list[list]] = {}
+        self._bytes: dict[object, int] = {}
+
+    def add(self, peer: object, frames: list) -> None:
+        """Send ``frames`` to ``peer``, in its next batch."""
+        if not self.limit:
+            self._deliver(peer, frames)
+            return
+        size = sum(memoryview(f).nbytes for f in frames)
+        if self._bytes.get(peer, 0) + size > self.limit:
+            self.flush_to(peer)
+        waiting = self.waiting.setdefault(peer, [])
+        waiting.append(frames)
+        self._bytes[peer] = self._bytes.get(peer, 0) + size
+        if len(waiting) == wire.MAX_BATCH or self._bytes[peer] >= self.limit:
+            self.flush_to(peer)
+
+    def flush(self) -> None:
+        """Send every peer what waits for it."""
+        for peer in list(self.waiting):
+            self.flush_to(peer)
+
+    def flush_to(self, peer: object) -> None:
+        """Send ``peer`` what waits for it: one message alone, several as a batch."""
+        messages = self.waiting.pop(peer, [])
+        self._bytes.pop(peer, None)
+        if messages:
+            self._deliver(peer, messages[0] if len(messages) == 1 else wire.batch(messages))
+
+    def clear(self) -> None:
+        """Forget what waits (its connections were closed)."""
+        self.waiting.clear()
+        self._bytes.clear()
 
 
 def drain(sock: zmq.Socket, limit: int = 64):
