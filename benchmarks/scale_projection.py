@@ -225,6 +225,10 @@ def load_growth(path: Path, density: float, compressor: str = "adtopk") -> dict[
 # ---- the report ---------------------------------------------------------------------------
 
 def projection(c: Constants, args: argparse.Namespace) -> list[str]:
+    if not Path(args.union).exists():
+        return ["## Projected: VGG-16, ResNet-50 and BERT-base on GPU workers", "",
+                f"No union curve ({Path(args.union).name}: `python benchmarks/union_density.py "
+                f"--json {args.union}`): the answers' growth past the runs' W cannot be projected.", ""]
     growth = load_growth(Path(args.union), args.ratio)
     loads_ = {m: workload(m, args.ratio, args.gpu_batch, args.gpu_tflops) for m in MODELS}
     found = {(m, g, w): project(wl, c, w, g, growth) for m, wl in loads_.items()
@@ -305,6 +309,10 @@ def loadgen_check(path: Path, c: Constants, union: Path, ratio: float) -> list[s
     if not path.exists():
         return ["## The load generator's servers against the model", "",
                 f"No figures yet ({path.name}: `python benchmarks/loadgen.py --json {path}`).", ""]
+    if not union.exists():
+        return ["## The load generator's servers against the model", "",
+                f"No union curve ({union.name}: `python benchmarks/union_density.py --json "
+                f"{union}`): the answers' growth cannot be predicted.", ""]
     data = json.loads(path.read_text())
     growth = load_growth(union, data["ratio"])
     shapes = {n: tuple(s) for n, s in data["shapes"].items()}

@@ -157,7 +157,7 @@ class Server:
                         if msg.op == Op.RESHAPE:
                             self.reshape(msg.extra["epoch"], msg.extra["num_workers"])
                     elif sock is self.data:
-                        for identity, *frames in drain(self.data):
+                        for identity, *frames in drain(self.data, seconds=tick_ms / 2000):
                             self.on_push(identity.bytes, frames)
                 self.link.tick()
                 self.check_stalls()

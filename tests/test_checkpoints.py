@@ -365,7 +365,8 @@ def test_servers_residuals_of_other_partitions_are_refused_on_every_worker_namin
         tmp_path, held_back, env={**HELD_BACK, "BYTEPS_PARTITION_BYTES": "4096"}))
     assert re.search(r"worker 0: the servers' residuals in \S+worker0-step00000004.pt cannot be put back: "
                      r"the servers' residual of '[\w.]+' \(partition \d+, key \d+\) fits no key of this "
-                     r"job: its partitions \(BYTEPS_PARTITION_BYTES\) differ", out), out[-3000:]
+                     r"job: its partitions differ from the job that saved it \(the placement cuts "
+                     r"by BYTEPS_PARTITION_BYTES, DMLC_NUM_SERVER", out), out[-3000:]
 
 
 def _resumed(tmp_path, runs, setup):

@@ -339,7 +339,7 @@ class Engine:
                     for _ in drain(self._wake_in):
                         pass
                 elif sock in which:
-                    for frames in drain(sock):
+                    for frames in drain(sock, seconds=tick_ms / 2000):
                         self._on_answer(which[sock], frames)
             if self._rebook is not None:  # the servers changed (an elastic re-form)
                 self._connect(link, self._rebook, servers, watches)

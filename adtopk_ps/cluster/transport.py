@@ -147,9 +147,14 @@ class Batches:
         self._bytes.clear()
 
 
-def drain(sock: zmq.Socket, limit: int = 64):
-    """Messages already waiting on a socket, up to ``limit``, without blocking."""
+def drain(sock: zmq.Socket, limit: int = 64, seconds: float | None = None):
+    """Messages already waiting on a socket, up to ``limit``, without blocking; with
+    ``seconds``, none after that long (a batch may hold thousands of messages: the loop
+    that drains must still come back to its heartbeats in time)."""
+    deadline = None if seconds is None else time.monotonic() + seconds
     for _ in range(limit):
+        if deadline is not None and time.monotonic() > deadline:
+            return
         try:
             yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
