@@ -48,6 +48,7 @@ from step_model import COO_BYTES, Constants, rate_of, ring_step  # noqa: E402
 
 from adtopk_ps.cluster.membership import DEFAULT_PARTITION_BYTES  # noqa: E402
 from adtopk_ps.cluster.placement import Item, loads, plan, push_bytes  # noqa: E402
+from adtopk_ps.core.dtypes import index_dtype  # noqa: E402
 
 MODELS = ("vgg16", "resnet50", "bert-base")
 PROJECT_WORKERS = [8, 16, 32, 64, 128, 256]
@@ -87,7 +88,7 @@ def workload(model: str, ratio: float, batch: int, flops: float) -> Workload:
     """
     tensors = layer_profile.tensors(model)
     sparse = [i for i in items(model, ratio) if i.weight < 4 * math.prod(i.shape)]
-    kept = sum(push_bytes(i.shape, 4, ratio) // (4 + index_bytes(i.shape)) for i in sparse)
+    kept = sum(push_bytes(i.shape, 4, ratio) // (4 + index_dtype(i.shape[1]).itemsize) for i in sparse)
     elements = sum(math.prod(i.shape) for i in sparse)
     push = sum(i.weight for i in items(model, ratio))
     dense = push - sum(i.weight for i in sparse)
@@ -95,10 +96,6 @@ def workload(model: str, ratio: float, batch: int, flops: float) -> Workload:
     compress = GPU_PASSES * 4 * elements / GPU_BYTES_PER_S + GPU_HOST_PER_TENSOR * len(sparse)
     return Workload(model, compute, compress, push, dense, elements, kept / elements,
                     sum(t.numel for t in tensors), ratio)
-
-
-def index_bytes(shape: tuple[int, ...]) -> int:
-    return 1 if shape[1] <= 1 << 8 else 2 if shape[1] <= 1 << 16 else 4
 
 
 @functools.cache
@@ -318,7 +315,7 @@ def loadgen_check(path: Path, c: Constants, union: Path, ratio: float) -> list[s
     shapes = {n: tuple(s) for n, s in data["shapes"].items()}
     entries = [Item(i, s, 4, push_bytes(s, 4, data["ratio"])) for i, s in enumerate(shapes.values())]
     elements = sum(math.prod(s) for s in shapes.values())
-    kept = sum(push_bytes(s, 4, data["ratio"]) // (4 + index_bytes(s)) for s in shapes.values())
+    kept = sum(push_bytes(s, 4, data["ratio"]) // (4 + index_dtype(s[1]).itemsize) for s in shapes.values())
     push = sum(e.weight for e in entries)
     lines = ["## The load generator's servers against the model", "",
              f"`python benchmarks/loadgen.py --json {path.name}`: real servers under W synthetic "

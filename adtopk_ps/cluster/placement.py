@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from adtopk_ps.cluster.membership import PARTITION_BITS, make_key, server_of
+from adtopk_ps.core.dtypes import index_dtype
 
 #: runs per server an elastic job's plan cuts, so that packing them onto fewer servers after
 #: a loss leaves the busiest within about 1 + 1/ELASTIC_PIECES of the mean
@@ -88,12 +89,7 @@ def push_bytes(shape: tuple[int, ...], element_size: int, ratio: float | None) -
         return numel * element_size
     width = shape[1]
     kept = max(1, math.floor(width * ratio))
-    return numel // width * kept * (element_size + _index_bytes(width))
-
-
-def _index_bytes(width: int) -> int:
-    """The bytes of a position along an axis of ``width``: the smallest unsigned type."""
-    return 1 if width <= 1 << 8 else 2 if width <= 1 << 16 else 4
+    return numel // width * kept * (element_size + index_dtype(width).itemsize)
 
 
 def exchange_bytes(shape: tuple[int, ...], element_size: int, ratio: float | None,
@@ -116,7 +112,7 @@ def exchange_bytes(shape: tuple[int, ...], element_size: int, ratio: float | Non
     width = shape[1]
     kept = max(1, math.floor(width * ratio))
     union = (width ** workers - (width - kept) ** workers) // width ** (workers - 1)
-    answer = numel // width * union * (element_size + _index_bytes(width))
+    answer = numel // width * union * (element_size + index_dtype(width).itemsize)
     return pushed + min(answer, numel * element_size)
 
 
