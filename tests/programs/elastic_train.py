@@ -63,6 +63,9 @@ def main() -> None:
                     "job that lasts until a restarted worker joins)")
     ap.add_argument("--wrapper", choices=["optimizer", "ddp", "crossbarrier"], default="optimizer")
     args = ap.parse_args()
+    # torch's first optimizer imports torch._dynamo (seconds on a loaded machine): done before
+    # registering, so that a kill at start-up is timed against the re-form, not that import
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
     registering = time.time()
     hvd.init()
     started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
