@@ -1,6 +1,6 @@
 """``python -m server``: the server role (``bpslaunch`` starts it from ``DMLC_ROLE=server``)."""
-import sys
+from adtopk_ps.cluster.stop import exit_when_done
 
 from .service import main
 
-sys.exit(main())
+exit_when_done(main())

@@ -1,6 +1,6 @@
 """``python -m worker --config configs/NAME.yaml``: the training job, under ``bpslaunch``."""
-import sys
+from adtopk_ps.cluster.stop import exit_when_done
 
 from .train import main
 
-sys.exit(main())
+exit_when_done(main())

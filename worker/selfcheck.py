@@ -18,13 +18,13 @@ import argparse
 import json
 import os
 import random
-import sys
 import time
 
 import torch
 
 from adtopk_ps.client.ps_client import PSClient
 from adtopk_ps.cluster.membership import part_name, partition_rows, split
+from adtopk_ps.cluster.stop import exit_when_done
 from adtopk_ps.compression import COMPRESSORS, create
 from adtopk_ps.core.dtypes import FLOAT_DTYPES
 
@@ -172,4 +172,4 @@ def first_wrong(client: PSClient, answered: list, twins: list, rnd: int) -> str 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_when_done(main())

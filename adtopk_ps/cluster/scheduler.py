@@ -27,6 +27,7 @@ from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
 from adtopk_ps.cluster.node import Node
 from adtopk_ps.cluster.reform import Reforming
+from adtopk_ps.cluster.stop import exit_when_done
 from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make_socket,
                                          register_timeout, send)
 from adtopk_ps.core.env import EnvError, env_int
@@ -438,4 +439,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_when_done(main())

@@ -16,11 +16,19 @@ Example::
     assert msg.op == wire.Op.PUSH and msg.payload.shape == payload.shape
     wire.payload_nbytes(payload)       # the payload's share of the frames' bytes
 """
-from adtopk_ps.wire.frames import payload_nbytes
 from adtopk_ps.wire.messages import (DEFAULT_MAX_MESSAGE_BYTES, MAX_BATCH, PROTOCOL, TENSOR_OPS,
                                      Message, Op,
                                      WireError, batch, decode, encode, envelope, epoch_field,
                                      unbatch)
+
+
+def __getattr__(name: str):
+    """``payload_nbytes`` on first use: frames.py needs torch, which the scheduler never imports."""
+    if name == "payload_nbytes":
+        from adtopk_ps.wire.frames import payload_nbytes
+        return payload_nbytes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "MAX_BATCH", "PROTOCOL", "TENSOR_OPS", "Message", "Op", "WireError",
            "batch", "decode", "encode", "envelope", "epoch_field", "payload_nbytes", "unbatch"]

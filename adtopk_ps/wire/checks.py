@@ -16,11 +16,9 @@ import torch
 from adtopk_ps.core.dtypes import FLOAT_DTYPES, INDEX_DTYPES, index_dtype
 from adtopk_ps.core.payload import CODECS, Payload, PayloadError
 from adtopk_ps.wire.frames import ROW_SETS, row_set_nbytes
+from adtopk_ps.wire.schema import PAYLOAD_FIELDS as FIELDS
+from adtopk_ps.wire.schema import REQUIRED as _REQUIRED
 
-_REQUIRED = {"codec": str, "shape": list, "dtype": str, "vdtype": str, "count": int}
-_OPTIONAL = {"idtype": str, "view": list, "k": int, "seed": int, "rows": int, "rowset": str}
-#: the header fields a payload may have, and their msgpack types
-FIELDS = {**_REQUIRED, **_OPTIONAL}
 _NEEDS = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
 _POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import msgpack
 
-from adtopk_ps.core.payload import Payload, PayloadError
-from adtopk_ps.wire.checks import FIELDS as _PAYLOAD_FIELDS
-from adtopk_ps.wire.checks import payload_from_fields
-from adtopk_ps.wire.frames import payload_buffers, payload_fields
+from adtopk_ps.wire.schema import PAYLOAD_FIELDS as _PAYLOAD_FIELDS
+
+if TYPE_CHECKING:
+    from adtopk_ps.core.payload import Payload
 
 #: 2: seeded (random-k) payloads draw their positions with core/seeded.py's counter hash
 #: 3: fibre payloads may leave out rows that selected only zeros (``rows``, ``rowset`` and a
@@ -115,6 +115,7 @@ def encode(op: Op, key: int = 0, round: int = 0, sender: int = 0,
     header.update(extra)
     if payload is None:
         return [msgpack.packb(header)]
+    from adtopk_ps.wire.frames import payload_buffers, payload_fields  # torch's, when a tensor goes
     header.update(payload_fields(payload))
     return [msgpack.packb(header), *payload_buffers(payload)]
 
@@ -151,6 +152,8 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     payload = None
     if op in TENSOR_OPS or (op in MAYBE_TENSOR_OPS and "codec" in header):
         meta = {k: header.pop(k) for k in _PAYLOAD_FIELDS if k in header}
+        from adtopk_ps.core.payload import PayloadError  # torch's, when a tensor comes
+        from adtopk_ps.wire.checks import payload_from_fields
         try:
             payload = payload_from_fields(meta, frames[1:], max_numel=max_numel)
         except PayloadError as exc:
