@@ -342,6 +342,25 @@ def test_union_density_grows_with_the_workers_and_stays_within_the_independent_b
         assert [round(curves[name][w], 4) for w in ("2", "8")] == rows[name][1:], (name, curves)
 
 
+def test_answer_balance_weighs_the_plans_by_the_unions_it_counts():
+    """Two plans of the same sparse tensors against the same later answers: both ratios are
+    the busiest server over the mean, and each tensor's measured answer is a fraction of the
+    estimate near 1 or below (the estimate's union is rounded down, so a narrow fibre's
+    measured union may pass it by a little)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "answer_balance.py"), "--configs",
+         str(ROOT / "configs" / "fashion-cnn.yaml"), "--workers", "4", "--at", "0", "2"],
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}).stdout
+    fractions = [float(v) for v in re.findall(r"step \d+ ([\d.]+)", out)]
+    assert len(fractions) == 4 and all(0 < f < 1.5 for f in fractions), out  # 2 tensors x 2 steps
+    plans = re.search(r"fashion-cnn W=S=4: .* estimate plan ([\d.]+)x \((\d+) keys\), plan weighed by "
+                      r"step 0's answers ([\d.]+)x \((\d+) keys\)", out)
+    assert plans, out
+    assert float(plans[1]) >= 1.0 and float(plans[3]) >= 1.0 and int(plans[2]) >= 4, out
+    assert out.rstrip().endswith(f"worst measured-plan busiest/mean: {plans[3]}x"), out
+
+
 @pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 def test_scale_benchmark_measures_models_and_resumes(tmp_path):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "scale.py"), "--workers", "2", "--servers", "1",
