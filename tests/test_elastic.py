@@ -132,10 +132,12 @@ def test_below_the_minimum_a_joiner_lets_the_job_go_on():
 
 def test_a_worker_killed_as_it_joins_leaves_the_others_training(tmp_path):
     # the first restart of worker 1 kills itself as it builds its optimizer, whose agreement
-    # the others wait in (they re-formed for it); the second restart gets in
+    # the others wait in (they re-formed for it); the second restart gets in. 90 steps of at
+    # least 0.15 s: each restart starts torch (and its first optimizer) before it registers,
+    # seconds on a loaded machine, and the second must register before the job ends
     result = elastic_job(3, 2, 2, "--kill=1:4", f"--kill-joiner={tmp_path / 'once'}",
-                         "--step-s=0.15", steps=60, launcher=("--restarts", "2"))
-    check_finished(result, 3, steps=60)
+                         "--step-s=0.15", steps=90, launcher=("--restarts", "2"))
+    check_finished(result, 3, steps=90)
     assert result.stdout.count("restarting worker 1") == 2
 
 
