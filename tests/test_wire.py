@@ -1,4 +1,7 @@
 """The wire decoder: round trips, named errors, and fuzzing with random and mutated frames."""
+import subprocess
+import sys
+
 import msgpack
 import pytest
 import torch
@@ -169,3 +172,29 @@ def test_a_batch_whose_counts_do_not_fit_its_frames_is_refused(counts):
     header = {**msgpack.unpackb(wire.batch([push])[0]), "counts": counts}
     with pytest.raises(wire.WireError, match="batch field 'counts'"):
         wire.decode([msgpack.packb(header), *push])
+
+
+def test_a_node_that_never_takes_tensors_refuses_one_before_reading_it():
+    """The scheduler decodes with ``tensors=False``: a push or a residual with a payload is
+    refused by name, what it routes still decodes, and a stray push never makes it import
+    torch (seconds of a loop that answers every node's heartbeats)."""
+    payload = create("adtopk", ratio=0.25).compress(torch.randn(4, 8), "t")
+    for op in (wire.Op.PUSH, wire.Op.RESIDUAL):
+        frames = wire.encode(op, key=3, payload=payload)
+        assert wire.decode(frames).payload is not None
+        with pytest.raises(wire.WireError, match=f"{op} carries a tensor, which this node never takes"):
+            wire.decode(frames, tensors=False)
+    assert wire.decode(wire.encode(wire.Op.RESIDUAL, key=3), tensors=False).payload is None
+    assert wire.decode(wire.encode(wire.Op.HEARTBEAT, sender=2), tensors=False).sender == 2
+    stray = [msgpack.packb({"v": wire.PROTOCOL, "op": "push", "key": 1, "round": 0, "sender": 0,
+                            "codec": "dense", "shape": [2], "dtype": "float32", "vdtype": "float32",
+                            "count": 2}), bytes(8)]
+    code = ("import sys, msgpack\n"
+            "from adtopk_ps.cluster import scheduler\n"
+            "from adtopk_ps import wire\n"
+            f"frames = [bytes.fromhex('{stray[0].hex()}'), bytes(8)]\n"
+            "try:\n    wire.decode(frames, tensors=False)\nexcept wire.WireError as exc:\n    print(exc)\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=True).stdout.splitlines()
+    assert out == ["push carries a tensor, which this node never takes", "False"], out

@@ -125,7 +125,7 @@ class Scheduler(Reforming):
 
     def _on_message(self, identity: bytes, frames: list, fd: int) -> bool:
         try:
-            msg = wire.decode(frames)
+            msg = wire.decode(frames, tensors=False)
         except wire.WireError as exc:
             log.warning("dropped a malformed message from %r: %s", identity, exc)
             self._reply(identity, Op.ERROR, message=str(exc))

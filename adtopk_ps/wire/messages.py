@@ -121,8 +121,12 @@ def encode(op: Op, key: int = 0, round: int = 0, sender: int = 0,
 
 
 def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-           max_numel: int = 1 << 31) -> Message:
-    """Parse and check a message; raises ``WireError`` for anything malformed."""
+           max_numel: int = 1 << 31, tensors: bool = True) -> Message:
+    """Parse and check a message; raises ``WireError`` for anything malformed.
+
+    ``tensors=False`` (the scheduler): a message carrying a tensor is refused before any of
+    it is read, so that a stray push costs a node that never takes one neither the payload's
+    checks nor torch's import."""
     if not frames:
         raise WireError("empty message")
     sizes = [memoryview(f).nbytes for f in frames]
@@ -150,7 +154,10 @@ def decode(frames: Sequence, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         if not 0 <= header[name] < 1 << 63:
             raise WireError(f"header field {name!r} = {header[name]} is out of range")
     payload = None
-    if op in TENSOR_OPS or (op in MAYBE_TENSOR_OPS and "codec" in header):
+    carries = op in TENSOR_OPS or (op in MAYBE_TENSOR_OPS and "codec" in header)
+    if carries and not tensors:
+        raise WireError(f"{op} carries a tensor, which this node never takes")
+    if carries:
         meta = {k: header.pop(k) for k in _PAYLOAD_FIELDS if k in header}
         from adtopk_ps.core.payload import PayloadError  # torch's, when a tensor comes
         from adtopk_ps.wire.checks import payload_from_fields
