@@ -47,7 +47,8 @@ def exit_when_done(status: int | None) -> NoReturn:
     during which the job's launcher still waits on the process. Everything that exit
     would do for the job's output is done here first, in its order: the threads that are
     not daemons are waited for, then the ``atexit`` functions run, the logging handlers
-    and the standard streams are flushed; then the process ends without the teardown. Only for the roles' own entry points, never inside a user's script.
+    and the standard streams are flushed; then the process ends without the teardown.
+    Only for the roles' own entry points, never inside a user's script.
 
     Example::
 

@@ -1,7 +1,7 @@
 """The header fields a payload may have, and their msgpack types.
 
-Apart from the payload's code, which needs torch: the scheduler reads and writes messages
-that carry no tensor, and starts without importing torch.
+Kept apart from the payload's code, which needs torch: the scheduler reads and writes
+messages that carry no tensor, and starts without importing torch.
 """
 from __future__ import annotations
 
