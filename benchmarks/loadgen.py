@@ -376,14 +376,16 @@ def cpu_seconds(pid: int) -> float:
 
 
 def kernel_bytes(port: int) -> tuple[int, int]:
-    """Bytes the kernel received and sent (acknowledged) on the established TCP connections
-    of local port ``port`` (a server's), from ``ss``: what the wire carried, zmq's framing
-    and heartbeats included."""
-    out = subprocess.run(["ss", "-tinH", "state", "established", "sport", "=", f":{port}"],
-                         capture_output=True, text=True, check=True).stdout
-    received = sum(int(t.split(":")[1]) for t in out.split() if t.startswith("bytes_received:"))
-    sent = sum(int(t.split(":")[1]) for t in out.split() if t.startswith("bytes_acked:"))
-    return received, sent
+    """Bytes the kernel carried to and from local port ``port`` (a server's) on its established
+    TCP connections, from ``ss``: what the wire carried, zmq's framing and heartbeats included.
+    Both figures are read where the bytes were received (the server's ends for what came in,
+    the peers' ends for what went out): a sender's ``bytes_acked`` can lag what its peer
+    already holds by a delayed ACK."""
+    def received(side: str) -> int:
+        out = subprocess.run(["ss", "-tinH", "state", "established", side, "=", f":{port}"],
+                             capture_output=True, text=True, check=True).stdout
+        return sum(int(t.split(":")[1]) for t in out.split() if t.startswith("bytes_received:"))
+    return received("sport"), received("dport")
 
 
 class Cluster:
