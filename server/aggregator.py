@@ -81,23 +81,34 @@ class KeyState:
         self.clean[which] = False
 
     def add(self, payload: Payload) -> None:
-        """Add one more push of this round into its sum."""
-        if self.touched is not None and payload.codec != "dense":
+        """Add one more push of this round into its sum (a sparse one by the compiled sum
+        where it applies, whether or not the round still lists its positions)."""
+        if payload.codec == "dense":
+            payload.accumulate_into(self.current)
+            self.touched = None
+        elif self.touched is not None:
             self.touched.append(self._land(payload))
-            return
-        payload.accumulate_into(self.current)
-        self.touched = None
+        elif self._land_compiled(payload) is None:
+            payload.accumulate_into(self.current)
 
     def _land(self, payload: Payload) -> torch.Tensor:
         """Add a sparse push to a round whose pushes were all sparse; returns positions that
         may be new to the round (every position that is, perhaps some that are not)."""
-        if sparse_sum.applies(payload, self.current):
-            try:
-                return sparse_sum.add(self.current, payload)
-            except ValueError as exc:  # nothing landed
-                raise PushRejected(str(exc)) from None
+        fresh = self._land_compiled(payload)
+        if fresh is not None:
+            return fresh
         payload.accumulate_into(self.current)
         return payload.flat_positions()
+
+    def _land_compiled(self, payload: Payload) -> torch.Tensor | None:
+        """Add a sparse push by the compiled sum: the positions that were zero before, or
+        None (nothing added) where that path does not apply."""
+        if not sparse_sum.applies(payload, self.current):
+            return None
+        try:
+            return sparse_sum.add(self.current, payload)
+        except ValueError as exc:  # nothing landed
+            raise PushRejected(str(exc)) from None
 
     def sparse_answer(self, aggregate: torch.Tensor, touched: list[torch.Tensor],
                       which: int) -> Payload:

@@ -19,6 +19,11 @@ from adtopk_ps.wire.frames import ROW_SETS, row_set_nbytes
 from adtopk_ps.wire.schema import PAYLOAD_FIELDS as FIELDS
 from adtopk_ps.wire.schema import REQUIRED as _REQUIRED
 
+try:
+    from adtopk_ps.wire import _positions
+except ImportError:  # built without a C compiler: torch's and numpy's ops make the same checks
+    _positions = None
+
 _NEEDS = {"dense": (), "fibre": ("idtype", "view", "k"), "coo": ("idtype",), "seeded": ("seed",)}
 _POPCOUNT = np.array([bin(b).count("1") for b in range(256)], dtype=np.uint8)
 
@@ -58,12 +63,22 @@ def check_positions(payload: Payload) -> None:
     if payload.indices is None or payload.indices.numel() == 0:
         return
     bound = payload.view[1] if payload.codec == "fibre" else payload.numel
-    idx = payload.indices
-    if idx.element_size() < 4:  # torch has no min/max for uint16
-        idx = idx.int()
-    low, top = (int(v) for v in torch.aminmax(idx))
+    low, top, _ = _span(payload.indices)
     if low < 0 or top >= bound:
         raise PayloadError(f"index out of range: [{low}, {top}] not within [0, {bound})")
+
+
+def _span(positions: torch.Tensor) -> tuple[int, int, bool]:
+    """The lowest and highest of some positions (at least one), and whether they strictly
+    increase along their flat order: in one compiled pass where the extension is built and
+    they lie contiguous on the CPU, by torch's reductions elsewhere."""
+    if _positions is not None and positions.device.type == "cpu" and positions.is_contiguous():
+        return _positions.span(positions.data_ptr(), positions.element_size(), positions.numel())
+    flat = positions.reshape(-1)
+    if flat.element_size() < 4:  # torch has no min/max for uint16
+        flat = flat.int()
+    low, top = (int(v) for v in torch.aminmax(flat))
+    return low, top, bool((flat[1:] > flat[:-1]).all())
 
 
 def _from_buffer(buf, dtype: torch.dtype, count: int, what: str) -> torch.Tensor:
@@ -88,15 +103,29 @@ def _rows_from_buffer(buf, row_set: str, live: int, lead: int) -> torch.Tensor:
     if row_set == "list":
         return _from_buffer(mv, index_dtype(lead), live, "row set").long()
     # counted before anything is unpacked: memory in proportion to the frame and to ``live``
-    data = np.frombuffer(mv, dtype=np.uint8)
-    if lead % 8 and data[-1] >> (lead % 8):
+    if _positions is not None:
+        rows = torch.empty(live, dtype=torch.int64)
+        named = _positions.bitmap_rows(mv, lead, rows.data_ptr(), live)
+    else:
+        rows, named = _unpack_bitmap(np.frombuffer(mv, dtype=np.uint8), lead, live)
+    if named < 0:
         raise PayloadError(f"row set bitmap sets bits past its {lead} rows")
-    named = int(_POPCOUNT[data].sum(dtype=np.int64))
     if named != live:
         raise PayloadError(f"row set bitmap names {named} rows, the metadata says {live}")
+    return rows
+
+
+def _unpack_bitmap(data: np.ndarray, lead: int, live: int) -> tuple[torch.Tensor | None, int]:
+    """:func:`_rows_from_buffer`'s unpacking without the compiled extension: the rows a
+    bitmap names and how many (-1: bits past ``lead``), the rows only if they are ``live``."""
+    if lead % 8 and data[-1] >> (lead % 8):
+        return None, -1
+    named = int(_POPCOUNT[data].sum(dtype=np.int64))
+    if named != live:
+        return None, named
     full = np.flatnonzero(data)
     byte, bit = np.nonzero(np.unpackbits(data[full], bitorder="little").reshape(-1, 8))
-    return torch.from_numpy(full[byte] * 8 + bit)
+    return torch.from_numpy(full[byte] * 8 + bit), named
 
 
 def _check_rows(rows: torch.Tensor, lead: int, carried: int) -> None:
@@ -107,8 +136,7 @@ def _check_rows(rows: torch.Tensor, lead: int, carried: int) -> None:
                            "row has no row set")
     if carried == 0:
         return
-    ordered = bool((rows[1:] > rows[:-1]).all())
-    low, top = int(rows[0]), int(rows[-1])
+    low, top, ordered = _span(rows)
     if not ordered or low < 0 or top >= lead:
         raise PayloadError(f"row set must be increasing rows within [0, {lead}), got "
                            f"{rows[:8].tolist()}{' ...' if carried > 8 else ''}")
