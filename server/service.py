@@ -21,7 +21,7 @@ import zmq
 from adtopk_ps import wire
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
 from adtopk_ps.cluster.transport import (Batches, ClusterError, SchedulerLink, batch_bytes,
-                                         drain, make_socket, send)
+                                         drain, make_socket, security, send)
 from adtopk_ps.compression import Compressor, Dense, create
 from adtopk_ps.core.env import env_int
 from adtopk_ps.wire import Op
@@ -46,13 +46,38 @@ class ServerLimits:
         return cls(
             max_message_bytes=env_int("PS_MAX_MESSAGE_BYTES", wire.DEFAULT_MAX_MESSAGE_BYTES, minimum=1),
             max_keys=env_int("PS_MAX_KEYS", 1 << 20, minimum=1),
-            max_bytes=env_int("PS_SERVER_MAX_BYTES", 1 << 34, minimum=1),
+            max_bytes=env_int("PS_SERVER_MAX_BYTES", default_max_bytes(), minimum=1),
         )
+
+
+def default_max_bytes() -> int:
+    """``PS_SERVER_MAX_BYTES`` where it is unset: a quarter of the memory this process may
+    use (the host's, or its container's limit where that is lower), at most 16 GiB. A
+    server that a flood pushes to its limit then leaves the host, and the processes beside
+    it, their memory."""
+    return min(1 << 34, memory_bytes() // 4)
+
+
+def memory_bytes() -> int:
+    """The memory this process may use: the host's physical memory, or its cgroup's limit
+    (v2's memory.max, v1's memory.limit_in_bytes) where that is lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limit = min(limit, int(text))
+    return limit
 
 
 #: the compressors that keep a width in pushes: their selection is exactly as many entries as
 #: asked (ADTopk keeps some in every row, a threshold as many as pass it)
 COUNTED = ("topk", "randomk")
+#: how many memberships ahead of its own a server keeps a push for (two re-forms can come
+#: before it hears of the first); a push further ahead is of no membership announced
+EARLY_EPOCHS = 2
 #: what workers send a server: pushes, their finish, and a checkpoint's residuals out and in
 SERVED = (Op.PUSH, Op.FINISH, Op.FETCH, Op.RESIDUAL, Op.BATCH)
 
@@ -111,7 +136,7 @@ class Server:
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
         self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=config)
-        self.port = self.data.bind_to_random_port("tcp://*")
+        self.port = self.data.bind_to_random_port(f"tcp://{config.listen_host}")
         self.link = SchedulerLink(self.ctx, config)
         self.resparsify = resparsify
         self.aggregator = self._aggregator(config.num_workers)
@@ -149,6 +174,9 @@ class Server:
             poller.register(self.data, zmq.POLLIN)
             poller.register(self.link.sock, zmq.POLLIN)
             poller.register(self.link.watch.sock, zmq.POLLIN)  # wakes us; link.tick() reads it
+            gate = security(self.ctx).gate  # who may connect (without CURVE)
+            if gate is not None:
+                poller.register(gate.sock, zmq.POLLIN)
             tick_ms = int(self.config.heartbeat_interval * 1000)
             while not self.link.shutdown:
                 for sock, _ in poller.poll(tick_ms):
@@ -159,6 +187,8 @@ class Server:
                     elif sock is self.data:
                         for identity, *frames in drain(self.data, seconds=tick_ms / 2000):
                             self.on_push(identity.bytes, frames)
+                    elif gate is not None and sock is gate.sock:
+                        gate.serve()
                 self.link.tick()
                 self.check_stalls()
                 self._flush()
@@ -206,7 +236,7 @@ class Server:
                                    f"{', '.join(sorted(op.value for op in SERVED))}")
             if epoch != self.epoch:  # an abandoned round (dropped), or one of a newer membership
                 if epoch > self.epoch:
-                    self.keep_early(epoch, identity, frames)
+                    self.keep_early(epoch, msg.sender, identity, frames)
                 return
             if self.senders.get(msg.sender, identity) != identity:
                 raise PushRejected(f"sender {msg.sender} is bound to another connection")
@@ -289,13 +319,22 @@ class Server:
             if pushed >= epoch:
                 self.on_push(identity, frames)
 
-    def keep_early(self, epoch: int, identity: bytes, frames: list) -> None:
+    def keep_early(self, epoch: int, sender: int, identity: bytes, frames: list) -> None:
         """Keep a push of a newer membership than this server has been told of (two re-forms
-        can come before it hears of the first), refused with an error past the byte bound."""
+        can come before it hears of the first). Refused with an error: one from a rank no
+        membership of this job can have, one more than ``EARLY_EPOCHS`` ahead, and any past
+        a quarter of ``PS_SERVER_MAX_BYTES`` in all: what is kept is bounded by what the
+        job's own workers can send before the word of their re-form reaches this server."""
+        ranks = self.config.bounds[1]
+        if not 0 <= sender < ranks:
+            raise PushRejected(f"sender {sender} is not a worker rank of this job (0 to {ranks - 1})")
+        if epoch > self.epoch + EARLY_EPOCHS:
+            raise PushRejected(f"epoch {epoch} was never announced: this server is at epoch "
+                               f"{self.epoch}, and keeps pushes at most {EARLY_EPOCHS} ahead")
         size = sum(memoryview(f).nbytes for f in frames)
-        if self.early_bytes + size > self.limits.max_bytes:
+        if self.early_bytes + size > self.limits.max_bytes // 4:
             raise PushRejected(f"epoch {epoch} is ahead of this server's {self.epoch}, and the "
-                               f"pushes that came before it pass PS_SERVER_MAX_BYTES")
+                               f"pushes that came before it pass a quarter of PS_SERVER_MAX_BYTES")
         self.early.append((epoch, identity, frames))
         self.early_bytes += size
 

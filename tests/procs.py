@@ -101,6 +101,21 @@ def roles(workers, servers, **extra):
             p.wait(10)
 
 
+def insider(address):
+    """A DEALER on this process's shared context connected to the server at ``address``,
+    holding the job's secret as every registered node does (its clients got it with the
+    address book): messages from inside the job, not from a stranger."""
+    import zmq
+    from adtopk_ps.cluster.security import JOB_USER
+    from adtopk_ps.cluster.transport import security
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.plain_username, sock.plain_password = JOB_USER, security(ctx).job_secret
+    sock.connect(address)
+    return sock
+
+
 def clients(config, n):
     """``n`` worker clients of one cluster, registered concurrently (the address book
     arrives only when every worker has registered)."""

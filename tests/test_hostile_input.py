@@ -12,6 +12,7 @@ from adtopk_ps import wire
 from adtopk_ps.compression import create
 
 from procs import clients as procs_clients
+from procs import insider
 from procs import roles
 
 ROUNDS = 12
@@ -111,10 +112,7 @@ def test_server_answers_every_bad_message_and_honest_rounds_stay_exact():
         for t in threads:
             t.start()
         assert progress.wait(30), "no honest round completed"
-        ctx = zmq.Context.instance()
-        attacker = ctx.socket(zmq.DEALER)
-        attacker.setsockopt(zmq.LINGER, 0)
-        attacker.connect(clients[0].servers[0])
+        attacker = insider(clients[0].servers[0])
         replies = {}
         for case, (frames, words) in _hostile_messages(honest_key=0).items():
             attacker.send_multipart(frames)
@@ -221,9 +219,7 @@ def test_structured_mutations_get_error_replies_and_honest_rounds_stay_exact():
         for t in threads:
             t.start()
         assert progress.wait(30), "no honest round completed"  # both ranks are bound now
-        attacker = zmq.Context.instance().socket(zmq.DEALER)
-        attacker.setsockopt(zmq.LINGER, 0)
-        attacker.connect(clients[0].servers[0])
+        attacker = insider(clients[0].servers[0])
         kinds = set()
 
         @settings(max_examples=150, deadline=None, database=None,

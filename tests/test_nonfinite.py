@@ -177,12 +177,10 @@ def test_a_resparsifying_server_forgets_a_flagged_keys_residual():
 
 def test_a_server_refuses_a_push_with_a_malformed_flag():
     import zmq
-    from procs import clients
+    from procs import clients, insider
     with roles(1, 1) as (config, procs):
         client, = clients(config, 1)
-        sock = zmq.Context.instance().socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(client.servers[0])
+        sock = insider(client.servers[0])
         sock.send_multipart(_push_frames(nonfinite="yes"))
         assert sock.poll(5000), "no reply"
         reply = wire.decode(sock.recv_multipart())

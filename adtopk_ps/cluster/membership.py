@@ -12,6 +12,7 @@ listens) are the scheduler's, in scheduler.py; a node's side of that exchange
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import logging
 import math
 import os
@@ -73,6 +74,15 @@ class ClusterConfig:
     def scheduler_address(self) -> str:
         """The scheduler's zmq endpoint, ``tcp://DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``."""
         return f"tcp://{self.root_uri}:{self.root_port}"
+
+    @property
+    def listen_host(self) -> str:
+        """The interface this node's binding socket listens on: loopback where the node
+        announces a loopback address (every role on one host, as ``bpslaunch --local`` runs
+        them), so that nothing off the host reaches it; every interface otherwise (the
+        address a node announces may be one that a NAT or a pod network maps to it)."""
+        own = self.root_uri if self.role == "scheduler" else self.node_host
+        return "127.0.0.1" if is_loopback(own) else "*"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -162,6 +172,14 @@ def start_role(role: str) -> ClusterConfig:
     config = ClusterConfig.from_env(role=role)
     config.apply_verbosity()
     return config
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or ``localhost``) is this host's loopback."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def node_host(env: Mapping[str, str]) -> str:

@@ -35,13 +35,32 @@ WAIT_NOTICE_EVERY_S = 5.0
 
 
 def _record(event: str, node: Node) -> None:
-    """``lost worker N``, ``joined worker N`` or ``lost server N`` (N: the rank it started as,
-    or asked for: DMLC_WORKER_ID, PS_SERVER_ID) for ``bpslaunch --local``, which judges its
-    children's exits by them (``PS_REFORMED_FILE``)."""
+    """``lost worker N G``, ``joined worker N G`` or ``lost server N G`` (N: the rank it started
+    as, or asked for: DMLC_WORKER_ID, PS_SERVER_ID; G: its process group, see
+    :func:`_launched_as`) for ``bpslaunch --local``, which judges its children's exits by them
+    (``PS_REFORMED_FILE``)."""
     reformed = os.environ.get("PS_REFORMED_FILE", "").strip()
     if reformed:
         with open(reformed, "a") as out:
-            out.write(f"{event} {node.role} {node.started_as}\n")
+            out.write(f"{event} {node.role} {node.started_as} {_launched_as(node)}\n")
+
+
+def _launched_as(node: Node) -> int:
+    """The process group of ``node``'s process (its pid where that has ended; -1 where its
+    identity names none): which of ``bpslaunch --local``'s children it is, each the leader of
+    a group of its own, even where the child runs the worker under a wrapper. Several restarts
+    of one worker share a DMLC_WORKER_ID, and some never register: only this tells bpslaunch
+    whether the restart still running is the one that joined. bpslaunch runs this scheduler on
+    the workers' host, where their pids are this process's to look up. The pid is the one in
+    the identity the node's SchedulerLink gives itself (``role-pid-random``, transport.py)."""
+    field = node.identity.split(b"-")[1:2]
+    if not field or not field[0].isdigit():
+        return -1
+    pid = int(field[0])
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return pid
 
 
 class Reforming:
@@ -191,7 +210,7 @@ class Reforming:
         for node in self.nodes.values():
             if node in joined:
                 self._reply(node.identity, Op.ADDRESSBOOK, rank=node.rank, servers=book,
-                            num_workers=self.workers, epoch=self.epoch)
+                            num_workers=self.workers, epoch=self.epoch, secret=self.secret)
             else:
                 self._reply(node.identity, Op.RESHAPE, epoch=self.epoch, rank=node.rank,
                             num_workers=self.workers, servers=book, what=what,

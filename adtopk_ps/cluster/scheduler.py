@@ -27,6 +27,7 @@ from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
 from adtopk_ps.cluster.membership import ClusterConfig, start_role
 from adtopk_ps.cluster.node import Node
 from adtopk_ps.cluster.reform import Reforming
+from adtopk_ps.cluster.security import job_secret_from_env
 from adtopk_ps.cluster.stop import exit_when_done
 from adtopk_ps.cluster.transport import (WAIT_NOTICE_S, drain, exit_status, make_socket,
                                          register_timeout, send)
@@ -49,13 +50,14 @@ class Scheduler(Reforming):
         self.sock = make_socket(self.ctx, zmq.ROUTER, curve="server")
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            self.sock.bind(f"tcp://*:{config.root_port}")
+            self.sock.bind(f"tcp://{config.listen_host}:{config.root_port}")
         except zmq.ZMQError as exc:
             self.sock.close(0)
             raise EnvError(f"cannot listen on DMLC_PS_ROOT_PORT={config.root_port}: {exc.strerror} "
                            f"(another scheduler, or another program, holds it; stop it or "
                            f"choose another port)") from None
         self.conns = ConnectionTable(self.sock)
+        self.secret = job_secret_from_env()  # handed to every node with the address book
         self.nodes: dict[bytes, Node] = {}
         self.started = False
         self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
@@ -274,7 +276,7 @@ class Scheduler(Reforming):
         book = self._book()
         for node in self.nodes.values():
             self._reply(node.identity, Op.ADDRESSBOOK, rank=node.rank, servers=book,
-                        num_workers=self.config.num_workers)
+                        num_workers=self.config.num_workers, secret=self.secret)
         self.started = True
         log.info("all %d node(s) registered; job started", len(self.nodes))
         formed = os.environ.get("PS_FORMED_FILE", "").strip()  # bpslaunch --local watches it

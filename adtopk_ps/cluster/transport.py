@@ -77,9 +77,9 @@ def make_socket(ctx: zmq.Context, kind: int, identity: str | None = None,
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
     if curve == "server":
-        security(ctx).server(sock)
+        security(ctx).server(sock, data=data is not None)
     elif curve == "client":
-        security(ctx).client(sock)
+        security(ctx).client(sock, data=data is not None)
     return sock
 
 
@@ -165,7 +165,7 @@ class SchedulerLink:
     """A node's DEALER to the scheduler, and what the scheduler tells it."""
 
     def __init__(self, ctx: zmq.Context, config: ClusterConfig):
-        self.config = config
+        self.config, self.ctx = config, ctx
         self.identity = f"{config.role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.sock = make_socket(ctx, zmq.DEALER, self.identity, curve="client")
         self.watch = PeerWatch(self.sock)
@@ -262,6 +262,7 @@ class SchedulerLink:
         elif msg.op == Op.ADDRESSBOOK:
             self.rank = msg.extra["rank"]
             self.book = msg.extra
+            security(self.ctx).admit(msg.extra["secret"])
         elif msg.op == Op.RESHAPE:  # the caller acts on the rest (server.py, engine.py)
             self.rank = msg.extra["rank"]
         elif msg.op == Op.NODE_LOST:
