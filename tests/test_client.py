@@ -201,6 +201,31 @@ def test_a_round_that_a_finished_worker_never_pushed_fails_within_seconds():
         w0.shutdown()
 
 
+def test_a_collective_name_that_cannot_travel_is_refused_before_anything_is_sent():
+    """A name over the limit or not valid UTF-8 raises ValueError on the calling worker, naming
+    the limit, before anything is sent (the scheduler's answer to a 30 KB name used to pass
+    the wire's header limit and end the job; a lone surrogate killed the engine thread). The
+    next collectives are agreed as ever, every worker's own part reaching every worker: a
+    sum's, alike on every worker and holding a long key name, and parts that differ."""
+    from adtopk_ps.cluster.coordinator import MAX_AGREED_NAME_BYTES
+    with roles(2, 1) as (config, _):
+        w0, w1 = start_clients(config, 2)
+        for name, text in (("x" * 30000, f"of 30000 bytes exceeds the limit of "
+                                         f"{MAX_AGREED_NAME_BYTES} bytes"),
+                           ("y" * (1 << 20), f"of {1 << 20} bytes exceeds the limit"),
+                           ("bad\ud800", r"not valid UTF-8 \(lone surrogate '\\ud800' at position 3\)")):
+            with pytest.raises(ValueError, match=text):
+                w0.collective(name, {"kind": "x"})
+        assert not w0.engine._agreements  # nothing was asked of the scheduler
+        key = ["k" * (MAX_AGREED_NAME_BYTES - 20) + "|float32|3", "float32", [3]]
+        sums = [c.collective("sum", {"kind": "x"}, own=key, standin=True) for c in (w0, w1)]
+        assert [h.wait(30).own for h in sums] == [{0: key, 1: key}] * 2
+        rows = [c.collective("rows", {"kind": "x"}, own=c.rank + 5) for c in (w0, w1)]
+        assert [h.wait(30).own for h in rows] == [{0: 5, 1: 6}] * 2
+        w0.shutdown()
+        w1.shutdown()
+
+
 def test_a_barrier_goes_on_when_the_worker_it_waits_for_finishes_instead():
     import threading
     import time

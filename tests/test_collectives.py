@@ -34,3 +34,24 @@ def test_calls_that_differ_are_refused_everywhere_and_the_next_call_works():
         assert not failed and len(lines) == CHECKS - (1 if worker == 0 else 0), (failed, len(lines))
     # no refusal waited for a timeout: the whole program runs in seconds, not minutes
     assert time.monotonic() - began < 150
+
+
+NAME_CHECKS = 24  # lines each worker of names_check.py prints
+
+
+def test_names_that_cannot_travel_are_refused_on_their_call_and_the_next_call_works():
+    """A 30 KB name (the scheduler's answer to it passed the 64 KiB header limit and the job
+    ended), a 1 MB one (the scheduler refused the node) and a lone surrogate (it killed the
+    engine thread), through every entry point that takes a name: each raises ValueError on
+    the worker that made it, naming the limit, and the next call is right; a name at the
+    limit is served; one refused on one worker only is refused on the other once both wait,
+    and the calls after meet. Two workers, one server, one cluster throughout."""
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--timeout", "130",
+                       "--", sys.executable, str(PROGRAMS / "names_check.py"), env=PATIENT,
+                       timeout=150)
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    for worker in range(2):
+        lines = _lines(out, worker)
+        failed = [line for line in lines if not line.endswith(" ok")]
+        assert not failed and len(lines) == NAME_CHECKS, (failed, len(lines))

@@ -1,15 +1,24 @@
 """The scheduler's coordinator as plain state: who gets which answer, and when."""
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from adtopk_ps import wire
 from adtopk_ps.cluster import coordinator
-from adtopk_ps.cluster.coordinator import JOIN, Coordinator
+from adtopk_ps.cluster.coordinator import (JOIN, MAX_AGREED_NAME_BYTES, MAX_NAME_BYTES,
+                                           Coordinator, check_name)
+from adtopk_ps.wire.messages import _MAX_HEADER_BYTES
 
 SHAPE = {"kind": "allreduce", "dtype": "float32", "shape": [17, 17]}
 
 
 def answers(out, op="agreed"):
     return {o.rank: o.fields for o in out if o.op == op}
+
+
+def parts(fields):
+    """Every worker's own part in an agreement, by rank (each distinct part travels once)."""
+    return {int(r): fields["owns"][i] for r, i in fields["own"].items()}
 
 
 def test_an_agreed_call_answers_every_worker_at_once_with_every_workers_own_part():
@@ -19,7 +28,7 @@ def test_an_agreed_call_answers_every_worker_at_once_with_every_workers_own_part
     got = answers(c.request(1, 3, "allgather.x", SHAPE, own=2))
     assert set(got) == {0, 1, 2} and all(a["ok"] for a in got.values())
     assert [got[r]["reqid"] for r in range(3)] == [1, 3, 7]
-    assert got[0]["own"] == {"0": 4, "1": 2, "2": 1} and got[0]["last"] == 1
+    assert parts(got[0]) == {0: 4, 1: 2, 2: 1} and got[0]["last"] == 1
     assert c.items == {} and c.agreed == 1
 
 
@@ -184,3 +193,96 @@ def test_every_request_is_answered_exactly_once_by_the_time_every_worker_finishe
     for rank in sorted(c.active):
         answered += [(o.rank, o.fields["reqid"]) for o in c.finished(rank)]
     assert sorted(answered) == sorted(made) and c.items == {} and not any(c.blocked.values())
+
+
+def test_a_name_is_checked_for_its_length_in_bytes_and_for_utf8():
+    at_limit = "é" * (MAX_NAME_BYTES // 2)  # two bytes a character
+    assert check_name(at_limit) == at_limit
+    with pytest.raises(ValueError, match=f"of {MAX_NAME_BYTES + 2} bytes exceeds the limit of "
+                                         f"{MAX_NAME_BYTES} bytes"):
+        check_name(at_limit + "é")
+    with pytest.raises(ValueError, match="of 30000 bytes exceeds the limit"):
+        check_name("x" * 30000)
+    with pytest.raises(ValueError, match=r"not valid UTF-8 \(lone surrogate '\\ud800' at position 3\)"):
+        check_name("bad\ud800")
+    for wrong in ("", None, 7):
+        with pytest.raises(ValueError, match="must be a non-empty string"):
+            check_name(wrong)
+
+
+def test_a_name_over_the_limit_is_refused_to_its_asker_without_quoting_it_whole():
+    c = Coordinator(2)
+    got = c.request(0, 1, "x" * 30000, SHAPE)
+    assert [(o.rank, o.fields["ok"]) for o in got] == [(0, False)]
+    message = got[0].fields["message"]
+    assert f"of 30000 bytes exceeds the limit of {MAX_AGREED_NAME_BYTES} bytes" in message
+    assert len(message) < 300 and len(got[0].fields["name"]) < 100 and c.items == {}
+    c.request(0, 2, "next", SHAPE)
+    assert all(a["ok"] for a in answers(c.request(1, 1, "next", SHAPE)).values())
+
+
+# the longest name a call is agreed under, four bytes a character; a rank's own starts with it
+LONGEST = "allreduce." + "\U0001F600" * ((MAX_AGREED_NAME_BYTES - 14) // 4)
+
+
+def _largest_header(workers):
+    """The largest header the scheduler sends, over the answers that carry names (an agreed
+    sum, with a joined worker standing in; a failure on every side, each reason quoting the
+    name; every worker waiting in a call of its own), when ``workers`` workers call the
+    longest names there are."""
+    sizes = []
+
+    def sent(out):
+        for o in out:
+            fields = dict(o.fields)
+            op = wire.Op.AGREED if o.op == "agreed" else wire.Op.STANDIN
+            sizes.append(len(wire.encode(op, round=fields.pop("reqid", 0), **fields)[0]))
+        return out
+
+    c = Coordinator(workers)
+    sent(c.request(0, 1, JOIN, {"kind": "join"}))
+    push = [f"{LONGEST}|float32|3", "float32", [3]]  # a sum's own part: its key's name
+    for rank in range(1, workers):
+        sent(c.request(rank, 1, LONGEST, SHAPE, own=push, standin=True))
+    assert sizes and c.agreed == 1
+    c = Coordinator(workers)
+    for rank in range(workers):
+        sent(c.request(rank, 1, LONGEST, {}, failed=f"ValueError: {LONGEST!r} is wrong here"))
+    assert c.refused == 1
+    c = Coordinator(workers)
+    for rank in range(workers):
+        c.request(rank, 1, f"allreduce.{rank:04d}{LONGEST[10:]}", SHAPE)
+        broke = sent(c.block(rank, 1))
+    assert len(broke) == workers
+    return max(sizes)
+
+
+def test_no_answer_grows_with_the_workers_times_the_names_length():
+    """The scheduler's answer to a 30 KB name used to be four times its size (the name, and
+    every worker's own part, which held it) and passed the wire's 64 KiB header limit: each
+    distinct own part now travels once, and a refusal groups the workers by call and reason,
+    naming a few. With names at the limit, 200 workers' answers are a few bytes a worker
+    larger than 2 workers', and well under the header limit."""
+    assert len(LONGEST.encode()) > MAX_AGREED_NAME_BYTES - 8
+    few, many = _largest_header(2), _largest_header(200)
+    assert many < _MAX_HEADER_BYTES // 2, many
+    assert many - few < 16 * 200, (few, many)
+
+
+def test_a_refusal_names_the_workers_by_the_call_they_wait_in():
+    c = Coordinator(5)
+    for rank, name in ((0, "a"), (1, "b"), (2, "a"), (3, "a"), (4, "a")):
+        c.request(rank, 1, name, SHAPE)
+        out = c.block(rank, 1)
+    assert "(workers 0 and 2-4 wait in 'a', worker 1 waits in 'b')" in out[0].fields["message"]
+    c = Coordinator(5)
+    for rank in range(5):
+        c.request(rank, 1, f"n{rank}", SHAPE)
+        out = c.block(rank, 1)
+    assert ("(worker 0 waits in 'n0', worker 1 waits in 'n1', worker 2 waits in 'n2', and 2 "
+            "other calls)") in out[0].fields["message"]
+    c = Coordinator(3)
+    c.request(0, 1, "o", {}, failed="TypeError: cannot pickle")
+    c.request(1, 1, "o", {}, failed="TypeError: cannot pickle")
+    got = answers(c.request(2, 1, "o", {}, failed="ValueError: root 5"))
+    assert got[2]["message"] == "o: workers 0 and 1: TypeError: cannot pickle; worker 2: ValueError: root 5"

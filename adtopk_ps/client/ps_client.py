@@ -28,6 +28,7 @@ from adtopk_ps.client.handle import Agreement, Handle
 from adtopk_ps.client.ledger import Ledger
 from adtopk_ps.client.server_residuals import keys_of, saved, to_restore
 from adtopk_ps.client.slicer import Slicer
+from adtopk_ps.cluster.coordinator import MAX_AGREED_NAME_BYTES, check_name
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, make_key, name_id
 from adtopk_ps.cluster.placement import Item, exchange_bytes
 from adtopk_ps.cluster.transport import ClusterError, security
@@ -180,7 +181,8 @@ class PSClient:
         fails with it). ``standin``: a sum, to which a joined worker contributes zeros (``own`` is
         then what it pushes: key name, wire dtype and shape). ``release``: a
         worker that finishes is not waited for (a barrier). Without ``start`` the handle
-        completes with the agreement.
+        completes with the agreement. A name that is not valid UTF-8, or is longer than
+        ``MAX_AGREED_NAME_BYTES``, raises ``ValueError`` here, before anything is sent.
 
         Example::
 
@@ -188,6 +190,7 @@ class PSClient:
             handle.wait()      # raises CollectiveError if another worker called it otherwise
         """
         self.check()
+        check_name(name, MAX_AGREED_NAME_BYTES)
         last = self._collectives.get(name)
         if last is not None and not last.done():
             raise ValueError(f"a collective named {name!r} is still in flight on this worker; "
@@ -456,7 +459,8 @@ class _Collective:
         if not x.get("ok"):
             handle.fail(CollectiveError(x.get("message", f"{handle.name} refused")))
             return
-        handle.agreement = Agreement({int(r): v for r, v in x.get("own", {}).items()},
+        owns = x.get("owns", [])  # each distinct part once; ``own`` indexes it by rank
+        handle.agreement = Agreement({int(r): owns[i] for r, i in x.get("own", {}).items()},
                                      list(x.get("standins", [])), int(x.get("last", -1)))
         if self.start is None:
             handle.complete(handle.agreement)

@@ -28,6 +28,12 @@ once rather than left to a timeout:
   sum's first request describes); any other kind is refused (and the joined
   worker told, with nothing to push, so that its unnamed calls count it too).
 
+Names are bounded (:func:`check_name`: valid UTF-8, a length limit), and no message
+grows with the number of workers times a name: an agreement lists each distinct ``own``
+once (a sum's, which holds its key's name, is alike on every worker), and a refusal
+groups the workers by the call they wait in or the reason they failed with, naming a
+few and counting the rest. Every message stays well under the wire's header limit.
+
 The coordinator is plain state: it returns the messages to send, and the
 scheduler sends them.
 """
@@ -39,6 +45,45 @@ from typing import Callable
 
 JOIN = ".join"  # the name join() negotiates
 MAX_PENDING = 1 << 16  # names waiting at once; beyond, a new one is refused to its asker
+#: the longest name a caller may give a collective (allreduce's ``name=``, broadcast_parameters'
+#: prefix and parameter names), in UTF-8 bytes
+MAX_NAME_BYTES = 1024
+#: the longest name a call is agreed under: room for what the library adds to a caller's
+#: (the kind, a prefix, ``.grad`` for a gradient's call); a name travels at most a few times
+#: in one message, which then stays well under the wire's 64 KiB header limit
+MAX_AGREED_NAME_BYTES = 4 * MAX_NAME_BYTES
+SHOWN = 3  # calls waited in, or failure reasons, that one refusal names; the rest are counted
+MAX_REASON_CHARS = 1024  # of one worker's failure reason, as a refusal quotes it
+
+
+def _shown(name: str, chars: int = 60) -> str:
+    """``name`` quoted, cut to ``chars`` characters: how messages name a name that may be long."""
+    return repr(name) if len(name) <= chars else f"{name[:chars]!r}..."
+
+
+def check_name(name: object, limit: int = MAX_NAME_BYTES) -> str:
+    """``name`` if it can name a collective: a non-empty string, valid UTF-8 (msgpack's
+    strings are) of at most ``limit`` bytes. Otherwise ``ValueError``, naming the limit: a
+    name travels in the scheduler's messages, and one that cannot be encoded, or that would
+    take a message past the header limit, would end the job (or the engine thread) for
+    every worker; refused where it is made, before anything is sent, it fails only its call.
+
+    Example::
+
+        check_name("allreduce.loss")   # returns it
+        check_name("x" * 30000)        # ValueError: ... of 30000 bytes exceeds the limit of 1024 bytes
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a collective name must be a non-empty string, got {repr(name)[:80]}")
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"collective name {_shown(name)} is not valid UTF-8 (lone surrogate "
+                         f"{name[exc.start]!r} at position {exc.start})") from None
+    if size > limit:
+        raise ValueError(f"collective name {_shown(name)} of {size} bytes exceeds the limit of "
+                         f"{limit} bytes (UTF-8); give it a shorter name")
+    return name
 
 
 @dataclass(frozen=True)
@@ -69,6 +114,33 @@ class Item:
     release: bool  # a finished worker is not waited for (a barrier); otherwise the call fails
     requests: dict[int, Request] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)  # ranks in the order they asked
+
+
+def _workers(ranks: list[int]) -> str:
+    """``worker 1``, ``workers 0 and 2``, ``workers 0-5, 7 and 9``: ``ranks`` (sorted) with
+    runs of three or more as ranges, so that naming many workers stays short."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    if len(ranks) == 1:
+        return f"worker {ranks[0]}"
+    parts = [f"{a}-{b}" if b > a + 1 else (f"{a}, {b}" if b == a + 1 else str(a)) for a, b in runs]
+    head, _, tail = ", ".join(parts).rpartition(", ")
+    return f"workers {head} and {tail}" if head else f"workers {tail}"
+
+
+def _few(lines: list[str], sep: str, rest: str) -> str:
+    """The first :data:`SHOWN` of ``lines``, and how many ``rest`` there are beyond them."""
+    more = len(lines) - SHOWN
+    return sep.join(lines[:SHOWN]) + (f"{sep}and {more} {rest}" if more > 0 else "")
+
+
+def _cut(text: str, chars: int) -> str:
+    """``text`` cut to ``chars`` characters: a worker's reason may be any length."""
+    return text if len(text) <= chars else f"{text[:chars]}..."
 
 
 def describe(value: object) -> str:
@@ -104,11 +176,17 @@ class Coordinator:
                 failed: str | None = None, standin: bool = False,
                 release: bool = False) -> list[Outgoing]:
         """Worker ``rank`` asks for ``name``. A second request for a name it already has in
-        flight is refused at once (to that worker only: the first stays pending)."""
+        flight is refused at once (to that worker only: the first stays pending), and so is
+        a name that :func:`check_name` refuses (every worker's client refuses one first)."""
+        try:
+            check_name(name, MAX_AGREED_NAME_BYTES)
+        except ValueError as exc:
+            return [Outgoing(rank, "agreed", {"reqid": reqid, "name": _shown(name), "ok": False,
+                                              "message": str(exc)})]
         item = self.items.get(name)
         if item is not None and rank in item.requests:
-            return [self._refusal(rank, reqid, name, f"{name!r} is already in flight on worker "
-                                  f"{rank}; a name can be used again once its call is done")]
+            return [self._refusal(rank, reqid, name, f"{_shown(name)} is already in flight on "
+                                  f"worker {rank}; a name can be used again once its call is done")]
         if name in self.tombstones.get(rank, ()):
             self.tombstones[rank].discard(name)
             return [self._refusal(rank, reqid, name, "the other workers' call of it was refused "
@@ -211,10 +289,13 @@ class Coordinator:
                     f"push_pull) goes on with joined workers standing in"), sorted(joined)
         if not (self.active - joined) <= asked:
             return None
-        failures = [f"worker {r}: {req.failed}" for r, req in sorted(item.requests.items())
-                    if req.failed is not None]
-        if failures:
-            return "; ".join(failures), []
+        reasons: dict[str, list[int]] = {}  # each reason once, with the workers that gave it
+        for r, req in sorted(item.requests.items()):
+            if req.failed is not None:
+                reasons.setdefault(_cut(req.failed, MAX_REASON_CHARS), []).append(r)
+        if reasons:
+            return _few([f"{_workers(ranks)}: {why}" for why, ranks in reasons.items()], "; ",
+                        "other reasons"), []
         return self._mismatch(item), sorted(joined)
 
     def _mismatch(self, item: Item) -> str | None:
@@ -241,10 +322,17 @@ class Coordinator:
         self.agreed += 1
         for rank in item.requests:  # these workers' calls line up again
             self.tombstones.pop(rank, None)
-        own = {str(r): req.own for r, req in item.requests.items()}
+        owns: list = []  # each distinct own part once; ``own``: each rank's, by its index
+        at: dict[str, int] = {}
+        own = {}
+        for r, req in item.requests.items():
+            index = own[str(r)] = at.setdefault(repr(req.own), len(owns))
+            if index == len(owns):
+                owns.append(req.own)
         last = item.order[-1] if item.order else -1
         out = [Outgoing(r, "agreed", {"reqid": req.reqid, "name": item.name, "ok": True,
-                                      "own": own, "standins": standins, "last": last})
+                                      "own": own, "owns": owns, "standins": standins,
+                                      "last": last})
                for r, req in item.requests.items()]
         push = next(iter(item.requests.values())).own  # a sum's own part: what it pushes
         out += [Outgoing(r, "standin", {"name": item.name, "push": push}) for r in standins]
@@ -258,12 +346,17 @@ class Coordinator:
         """Every active worker waits, and no name can be answered: each name waited in lacks a
         worker that waits elsewhere. Those names are refused, each saying who waits where; a
         worker that had not asked for one is refused its next request of it at once (it is
-        one call behind the others: the refusal lines it up with them)."""
-        waits = {r: sorted(self.blocked[r]) for r in sorted(self.active)}
-        where = ", ".join(f"worker {r} waits in {' and '.join(map(repr, n))}"
-                          for r, n in waits.items())
+        one call behind the others: the refusal lines it up with them). The message groups
+        the workers by the call they wait in and names a few calls, so that it does not grow
+        with the workers times the names' length."""
+        waiting: dict[str, list[int]] = {}  # name -> the ranks waiting in it
+        for r in sorted(self.active):
+            for name in sorted(self.blocked[r]):
+                waiting.setdefault(name, []).append(r)
+        where = _few([f"{_workers(ranks)} {'waits' if len(ranks) == 1 else 'wait'} in "
+                      f"{_shown(name)}" for name, ranks in waiting.items()], ", ", "other calls")
         out: list[Outgoing] = []
-        for name in dict.fromkeys(n for names in waits.values() for n in names):
+        for name in waiting:
             item = self.items.get(name)
             if item is None or name == JOIN:
                 continue

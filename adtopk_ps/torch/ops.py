@@ -37,7 +37,7 @@ import torch
 from adtopk_ps.client.handle import Agreement, Handle
 from adtopk_ps.client.errors import CollectiveError
 from adtopk_ps.client.ps_client import PSClient
-from adtopk_ps.cluster.coordinator import JOIN
+from adtopk_ps.cluster.coordinator import JOIN, check_name
 from adtopk_ps.compression import Compressor, SparsificationPolicy
 from adtopk_ps.core.dtypes import FLOAT_DTYPES
 from adtopk_ps.torch.agreement import compressor_label
@@ -150,14 +150,15 @@ def collective_name(kind: str, name: str | None) -> str:
     """``kind.name``; an unnamed call is named by how many unnamed calls of its kind this
     worker made before it (horovod's rule: every worker makes its unnamed calls in one order).
     Every call so named is agreed, so a worker whose call failed on its side still counts it.
+    A given name is checked here (:func:`~adtopk_ps.cluster.coordinator.check_name`): one that
+    is not valid UTF-8 or is over ``MAX_NAME_BYTES`` raises ``ValueError`` on this worker
+    before anything is sent (a worker whose name passes waits as for a call skipped).
 
     An unnamed call's data cycles through :data:`UNNAMED_SLOTS` keys (see :func:`claim`), so
     that a loop of unnamed calls does not make a key per call."""
     if name is None:
         return client().unnamed_name(kind)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    return f"{kind}.{name}"
+    return f"{kind}.{check_name(name)}"
 
 
 def refuse_everywhere(name: str, error: BaseException) -> None:
@@ -388,8 +389,7 @@ def declare(name: str, staleness: int = 0) -> int:
     """byteps' ``declare``: checks ``name``. Keys come from names alone here, so the order in
     which workers declare (or do not) changes nothing."""
     _no_staleness(staleness)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"declare needs a name, got {name!r}")
+    check_name(name)
     return 0
 
 

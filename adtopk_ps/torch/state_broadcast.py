@@ -11,6 +11,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from adtopk_ps.cluster.coordinator import check_name
 from adtopk_ps.torch.objects import broadcast_object
 from adtopk_ps.torch.ops import refuse_everywhere, submit_agreed, synchronize
 from adtopk_ps.torch.runtime import client, rank
@@ -24,7 +25,9 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
 
     The workers first agree the list itself (names, shapes, dtypes): a model that differs on
     some worker, or a value that is not a tensor, is refused on every worker at once, before
-    any tensor moves.
+    any tensor moves. Each tensor's call is named ``<prefix>.<name>``; a name that
+    :func:`~adtopk_ps.cluster.coordinator.check_name` refuses raises ``ValueError`` before
+    anything is sent.
 
     Example::
 
@@ -36,6 +39,8 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable, root_ran
         items = [p if isinstance(p, tuple) else (str(i), p) for i, p in enumerate(params)]
     items = [(name, value) for name, value in items if value is not None]
     listed = f"{prefix}.parameters"
+    for full in (listed, *(f"{prefix}.{name}" for name, _ in items)):  # before anything is sent
+        check_name(full)
     wrong = [name for name, value in items if not isinstance(value, torch.Tensor)]
     if wrong:
         kind = type(dict(items)[wrong[0]]).__name__

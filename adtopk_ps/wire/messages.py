@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 #:    then sends ``received`` for it before any answer
 #: 6: fetch and residual: a re-sparsifying server's residuals into and out of checkpoints
 #: 7: batch: several messages to one peer in one
-PROTOCOL = 7
+#: 8: agreed lists each distinct ``own`` part once (``owns``), each rank's ``own`` its index
+PROTOCOL = 8
 MAX_BATCH = 4096  # messages in one batch (their counts fit the header's limit)
 
 
