@@ -76,3 +76,32 @@ def test_an_elastic_config_needs_a_cluster_that_matches_it(tmp_path):
                       "--steps", "5", timeout=90)
     assert other.returncode == 2 and "elastic.min_workers=2, the cluster PS_MIN_WORKERS=1" \
         in other.stdout, other.stdout
+
+
+def test_a_joiner_with_another_config_is_refused_as_it_registers_and_the_job_goes_on(tmp_path):
+    """Worker 2 is killed; its restart comes with another learning rate. The scheduler
+    refuses it as it registers, naming the difference, it exits 2, and the two others train
+    to the end without a word of it: no disagreement, one model."""
+    worker = [sys.executable, "-m", "worker", "--config", CONFIG, "--epochs", "40", "--checksums",
+              "--set", "progress=false"]
+    mark = tmp_path / "started"
+    # the first start of each worker runs the job's config, a restart another learning rate
+    script = (f'mkdir "{mark}.$DMLC_WORKER_ID" 2>/dev/null && exec "$@"; '
+              'exec "$@" --set optimizer.lr=0.2')
+    cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
+           "--num-servers", "1", "--min-workers", "2", "--restarts", "1", "--timeout", "150",
+           "--", "sh", "-c", script, "sh", *worker]
+    result, killed = run_and_kill(cmd, {**os.environ, **FAST, "PS_HEARTBEAT_TIMEOUT_MS": "6000"},
+                                  r"checksum step 5:", "worker", [2], timeout=200)
+    out = result.stdout
+    assert len(killed) == 1, out
+    assert re.search(r"the scheduler refused this node: the worker at 127.0.0.1 would run another "
+                     r"job than the running one: optimizer.lr: the job has 0.05, this worker 0.2", out), out
+    assert "Disagreement" not in out and "disagree" not in out, out
+    summary = re.search(r"summary: accuracy=([\d.]+) .* steps=(\d+) .* workers=2 rank=0", out)
+    assert summary, out
+    steps = int(summary[2])
+    final = set(re.findall(rf"\[worker \d\] checksum step {steps}: (\w+)", out))
+    assert len(final) == 1 and out.count(f"checksum step {steps}:") == 2, out
+    assert "[bpslaunch] worker 2 exited with status 2" in out, out
+    assert result.returncode == 0, out  # the job did its work; the refused joiner was no part of it

@@ -17,7 +17,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 import adtopk_ps.torch as bps
 from adtopk_ps.client.errors import CollectiveError, PushPullError
 from adtopk_ps.cluster.stop import stop_quietly_on_signals
-from adtopk_ps.cluster.transport import ClusterError
+from adtopk_ps.cluster.transport import ClusterError, RegistrationRefused
 from adtopk_ps.compression import SparsificationPolicy, create
 from adtopk_ps.core.env import EnvError
 from adtopk_ps.torch.runtime import mark_failed
@@ -90,6 +90,15 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def job_description(cfg: dict, device: torch.device) -> dict:
+    """What every worker must share: the config's values by name (metrics and progress, each
+    worker's own, left out), with the kind of device. A worker that joins a running job with
+    another is refused as it registers."""
+    mine = _flat({k: v for k, v in cfg.items() if k not in ("metrics", "progress")})
+    mine["device"] = device.type
+    return mine
+
+
 def agree_on_config(cfg: dict, device: torch.device) -> None:
     """Every worker trains by one config: each reads its learning rate and schedule from its own
     every step, which no broadcast of the optimizer's state would correct. Raises
@@ -98,9 +107,7 @@ def agree_on_config(cfg: dict, device: torch.device) -> None:
     ``device`` is compared by the kind each worker took (``auto`` may take a GPU on one host and
     the CPU on another): the same update on a CPU and on a GPU can round differently, and the
     replicas would drift apart. Which GPU each takes may differ."""
-    mine = _flat({k: v for k, v in cfg.items() if k not in ("metrics", "progress")})
-    mine["device"] = device.type
-    configs = bps.allgather_object(mine, name="job.config")
+    configs = bps.allgather_object(job_description(cfg, device), name="job.config")
     lines = [f"{key}: worker 0 has {configs[0].get(key)!r}, worker {rank} has {other.get(key)!r}"
              for rank, other in enumerate(configs[1:], 1)
              for key in sorted(set(configs[0]) | set(other)) if configs[0].get(key) != other.get(key)]
@@ -262,7 +269,7 @@ def join(cfg: dict, device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":  # kernels that launch on the current device's stream (Triton's)
         torch.cuda.set_device(device)  # and the CUDA context: this GPU's, not the first's
     torch.manual_seed(cfg["seed"])
-    bps.init()
+    bps.init(job=job_description(cfg, device))
     rank, size = bps.rank(), bps.size()
     print(f"worker {rank} of {size} trains on {job_device.describe(device)}", flush=True)
     return rank, size
@@ -327,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, (EnvError, DatasetUnavailable)):  # started outside bpslaunch, a bad
             # DMLC_* variable, or a dataset too small for the workers (every worker finds it)
             return ended_on(exc, 2, str(exc))
+        if isinstance(exc, RegistrationRefused):  # another job's config, shape or id: the
+            print(f"worker: {exc}", file=sys.stderr, flush=True)  # job, if one runs, goes on
+            return 2
         if not isinstance(exc, (ClusterError, TimeoutError, bps.Disagreement,
                                 bps.NonFiniteGradient, bps.ReplicasDiverged, CollectiveError,
                                 OutputError, PushPullError)):

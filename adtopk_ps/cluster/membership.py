@@ -18,7 +18,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +57,9 @@ class ClusterConfig:
     elastic_timeout: float = 600.0  # PS_ELASTIC_TIMEOUT_S: how long it waits below the minimum
     # PS_PLACEMENT: "balanced" (agreed tensors cut and spread by bytes) or "hash" (byteps')
     placement: str = "balanced"
+    # what every worker of the job must share, as (name, value shown) pairs (``init(job=...)``):
+    # a worker that joins a running elastic job with another is refused at registration
+    job: tuple[tuple[str, str], ...] = ()
 
     @property
     def elastic(self) -> bool:
@@ -172,6 +175,34 @@ def start_role(role: str) -> ClusterConfig:
     config = ClusterConfig.from_env(role=role)
     config.apply_verbosity()
     return config
+
+
+#: the most names a job's description holds, and the longest value shown
+JOB_NAMES, JOB_VALUE_CHARS = 512, 200
+
+
+def describe_job(job: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+    """A job's description as registration carries it: its names in order, each value shown
+    by ``repr`` (cut to ``JOB_VALUE_CHARS``); a mapping of more than ``JOB_NAMES`` names, or
+    anything but a mapping with string names, raises ``ValueError``.
+
+    Example::
+
+        describe_job({"optimizer.lr": 0.1, "model.name": "cnn"})
+        # (('model.name', "'cnn'"), ('optimizer.lr', '0.1'))
+    """
+    if not isinstance(job, Mapping) or not all(isinstance(k, str) for k in job):
+        raise ValueError(f"a job's description must map names (str) to values, got {type(job).__name__}")
+    if len(job) > JOB_NAMES:
+        raise ValueError(f"a job's description holds {len(job)} names; at most {JOB_NAMES} are allowed")
+    return tuple((name[:JOB_VALUE_CHARS], repr(job[name])[:JOB_VALUE_CHARS]) for name in sorted(job))
+
+
+def job_differences(ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str]]) -> list[str]:
+    """Where two job descriptions differ, a line a name: ``name: the job has A, this worker B``."""
+    a, b = dict(map(tuple, ours)), dict(map(tuple, theirs))
+    return [f"{name}: the job has {a.get(name, '(none)')}, this worker {b.get(name, '(none)')}"
+            for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
 
 
 def is_loopback(host: str) -> bool:

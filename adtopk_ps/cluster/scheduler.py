@@ -24,7 +24,7 @@ import zmq
 from adtopk_ps import wire
 from adtopk_ps.cluster.coordinator import Coordinator, Outgoing
 from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
-from adtopk_ps.cluster.membership import ClusterConfig, start_role
+from adtopk_ps.cluster.membership import ClusterConfig, job_differences, start_role
 from adtopk_ps.cluster.node import Node
 from adtopk_ps.cluster.reform import Reforming
 from adtopk_ps.cluster.security import job_secret_from_env
@@ -58,6 +58,7 @@ class Scheduler(Reforming):
                            f"choose another port)") from None
         self.conns = ConnectionTable(self.sock)
         self.secret = job_secret_from_env()  # handed to every node with the address book
+        self.description: list | None = None  # the job's (the first worker's): joiners must match
         self.nodes: dict[bytes, Node] = {}
         self.started = False
         self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
@@ -196,6 +197,8 @@ class Scheduler(Reforming):
             problem = self._shape_disagrees(role, host, msg.extra)
             if problem and not joining:  # a joiner that disagrees is refused; the job goes on
                 self.fatal = (f"the job cannot run: {problem}", 2)
+        if problem is None and role == "worker":
+            problem = self._job_disagrees(host, msg.extra.get("description", []), joining)
         if problem:
             log.error("refused %s from %s:%s: %s", role, host, port, problem)
             self._reply(identity, Op.ERROR, message=problem)
@@ -231,6 +234,26 @@ class Scheduler(Reforming):
                 return (f"the {role} at {host} has {variable} = {_shown(theirs)}, the scheduler "
                         f"{_shown(ours)}: every role must be given the same values")
         return None
+
+    def _job_disagrees(self, host: object, theirs: object, joining: bool) -> str | None:
+        """Where a joining worker's job description (``init(job=...)``) differs from the
+        running job's, each difference: it is refused, and the job never sees it. Workers
+        that form the job compare theirs in their own agreement, on every worker alike."""
+        if not isinstance(theirs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(v, str) for v in p)
+                for p in theirs):
+            return f"the worker at {host} sent a malformed job description"
+        if self.description is None:
+            self.description = theirs
+            return None
+        if not joining or not theirs or not self.description:
+            return None
+        lines = job_differences(self.description, theirs)
+        if not lines:
+            return None
+        more = f" (and {len(lines) - 5} more)" if len(lines) > 5 else ""
+        return (f"the worker at {host} would run another job than the running one: "
+                + "; ".join(lines[:5]) + more)
 
     def _end_job(self, why: str, status: int) -> int:
         """End the job at once (roles that disagree, a stall), telling every node why."""

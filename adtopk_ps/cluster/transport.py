@@ -33,6 +33,11 @@ class ClusterError(RuntimeError):
     """The job cannot go on: a peer was lost, the scheduler refused us, or it went silent."""
 
 
+class RegistrationRefused(ClusterError):
+    """The scheduler refused this node as it registered (another job's, another shape or
+    config, a running job that takes no one): the job, if one runs, goes on without it."""
+
+
 def exit_status(value: object) -> int:
     """A failed worker's exit status as a message carries it: 1 unless it is one a process
     can exit with and that reports a failure (1-255)."""
@@ -193,6 +198,7 @@ class SchedulerLink:
                    partition_bytes=cfg.partition_bytes, placement=cfg.placement,
                    min_workers=cfg.min_workers,
                    max_workers=cfg.max_workers, job=os.environ.get("PS_JOB_ID", ""),
+                   description=[list(pair) for pair in cfg.job],
                    **self._server_id)
         limit = register_timeout()
         began = time.monotonic()
@@ -268,7 +274,8 @@ class SchedulerLink:
         elif msg.op == Op.NODE_LOST:
             raise ClusterError(f"{msg.extra.get('what', 'a peer was lost')}; ending the job")
         elif msg.op == Op.ERROR:
-            raise ClusterError(f"the scheduler refused this node: {msg.extra.get('message')}")
+            refused = ClusterError if self.book else RegistrationRefused
+            raise refused(f"the scheduler refused this node: {msg.extra.get('message')}")
         elif msg.op == Op.SHUTDOWN:
             self.shutdown = True
             self.failed = msg.extra.get("failed")

@@ -11,13 +11,15 @@ touching the callers.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import sys
 import threading
 import warnings
+from typing import Mapping
 
 from adtopk_ps.client.ps_client import PSClient
-from adtopk_ps.cluster.membership import ClusterConfig
+from adtopk_ps.cluster.membership import ClusterConfig, describe_job
 from adtopk_ps.core.env import env_int
 
 
@@ -40,8 +42,8 @@ class Membership:
         """Whether this process has joined the cluster."""
         return self._client is not None
 
-    def join(self, config: ClusterConfig | None) -> None:
-        """Connect to the cluster (once; later calls do nothing)."""
+    def join(self, config: ClusterConfig | None, job: Mapping[str, object] | None = None) -> None:
+        """Connect to the cluster (once; later calls do nothing), described by ``job``."""
         with self._lock:
             if self._client is not None:
                 return
@@ -53,6 +55,8 @@ class Membership:
             if parked is not None:  # another cluster: the old connection is done
                 parked.shutdown()
             config = config or ClusterConfig.from_env(role="worker")
+            if job is not None:
+                config = dataclasses.replace(config, job=describe_job(job))
             config.apply_verbosity()
             self._client = PSClient(config)
             self._suspended = False
@@ -159,10 +163,14 @@ def _note_uncaught_exceptions() -> None:
     sys.excepthook = hook
 
 
-def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:
+def init(lazy: bool = True, config: ClusterConfig | None = None,
+         job: Mapping[str, object] | None = None) -> None:
     """Join the cluster described by the DMLC environment (once per process).
 
-    ``lazy`` is byteps' and changes nothing here: the connection is made now.
+    ``lazy`` is byteps' and changes nothing here: the connection is made now. ``job``: what
+    every worker of the job must share (a config's values by name). A worker that joins a
+    running elastic job with another is refused as it registers (``RegistrationRefused``,
+    naming each difference), and the running workers never see it.
 
     Example::
 
@@ -170,7 +178,7 @@ def init(lazy: bool = True, config: ClusterConfig | None = None) -> None:
         bps.init()                     # under bpslaunch, which sets the DMLC variables
         print(bps.rank(), bps.size())
     """
-    _membership.join(config)
+    _membership.join(config, job)
 
 
 def shutdown() -> None:
