@@ -24,11 +24,16 @@ Every mode exits with the status of the first process that failed (a death by
 signal N as 128+N, as a shell reports it), 0 when every one succeeded. A usage
 or configuration error (status 2) stops the others at once; SIGINT or SIGTERM
 stops every role (SIGTERM, then SIGKILL) and exits 130 or 143.
+
+``--local`` keeps the scheduler's records of the job in a temporary folder, removed on
+every exit, an interrupt's included; a folder that a SIGKILL left (no cleanup runs) is
+removed by the next ``--local`` run (:func:`job_folder`).
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shutil
@@ -138,42 +143,123 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     elastic = any(base.get(v, "").strip() for v in ("PS_MIN_WORKERS", "PS_MAX_WORKERS"))
     lock = threading.Lock()
-    formed = Path(tempfile.mkdtemp(prefix="bpslaunch-")) / "formed"
-    reformed = formed.parent / "reformed"  # the workers an elastic job went on without
+    # SIGINT and SIGTERM are noted from before the folder exists to after it is gone: one that
+    # comes while the roles start stops the job as one that comes later does, and the folder
+    # is removed either way
+    with _Interrupts() as interrupts:
+        folder = job_folder()
+        try:
+            formed = folder / "formed"
+            reformed = folder / "reformed"  # the workers an elastic job went without, or took in
 
-    def changes(event: str) -> list[str]:  # the labels of the children lost, or joined
-        lines = reformed.read_text().splitlines() if reformed.exists() else []
-        return [line.split(" ", 1)[1] for line in lines if line.split()[0] == event]
+            def changes(event: str) -> list[tuple[str, int]]:
+                """(label, process group) of each child lost, or joined (reform.py's record)"""
+                lines = reformed.read_text().splitlines() if reformed.exists() else []
+                return [(f"{role} {rank}", int(group)) for kind, role, rank, group in
+                        (line.split() for line in lines) if kind == event]
 
-    def worker(i: int) -> Child:
-        return Child(f"worker {i}", command, {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i),
-                                              "PS_DEVICE_INDEX": str(i)}, lock)
-    children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
-                      {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed),
-                       "PS_REFORMED_FILE": str(reformed)}, lock)]
-    children += [Child(f"server {i}", _python_module(SERVER_MODULE),
-                       {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
-                 for i in range(num_servers)]
-    children += [worker(i) for i in range(num_workers)]
-    again = _Restarts(restarts, children[0], children[-num_workers:], worker,
-                      lambda: changes("joined")) if elastic and restarts else None
+            def worker(i: int) -> Child:
+                return Child(f"worker {i}", command, {**base, "DMLC_ROLE": "worker",
+                                                      "DMLC_WORKER_ID": str(i),
+                                                      "PS_DEVICE_INDEX": str(i)}, lock)
+            children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
+                              {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed),
+                               "PS_REFORMED_FILE": str(reformed)}, lock)]
+            children += [Child(f"server {i}", _python_module(SERVER_MODULE),
+                               {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
+                         for i in range(num_servers)]
+            children += [worker(i) for i in range(num_workers)]
+            again = _Restarts(restarts, children[0], children[-num_workers:], worker,
+                              lambda: {group for _, group in changes("joined")}) \
+                if elastic and restarts else None
+            return supervise(children, grace, timeout, workers=children[-num_workers:],
+                             formed=formed.exists,
+                             left_behind=(lambda: [label for label, _ in changes("lost")])
+                             if elastic else None, restart=again, interrupts=interrupts)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+#: what ``bpslaunch --local``'s folder's name starts with in the temporary directory
+FOLDER_PREFIX = "bpslaunch-"
+
+
+def _pid_namespace() -> str | None:
+    """This process's pid namespace (Linux's ``pid:[N]``: N), in which the pids in the
+    folders' names are looked up; None where there is none to read."""
     try:
-        return supervise(children, grace, timeout, workers=children[-num_workers:],
-                         formed=formed.exists,
-                         left_behind=(lambda: changes("lost")) if elastic else None, restart=again)
-    finally:
-        shutil.rmtree(formed.parent, ignore_errors=True)
+        number = os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return None
+    return number if number.isdigit() else None
+
+
+def job_folder() -> Path:
+    """A new folder for ``bpslaunch --local``'s job (the scheduler's records), after removing
+    those a bpslaunch killed with SIGKILL left: a SIGKILL runs no cleanup, so each name carries
+    its bpslaunch's pid namespace and pid (``bpslaunch-NS-PID-…``), and a folder of this
+    user's, in this namespace, whose bpslaunch is gone is removed. A pid that is running again
+    (reused) keeps its folder; one of another namespace (a container sharing the temporary
+    directory) is never taken for gone."""
+    namespace = _pid_namespace()
+    if namespace is None:  # no way to tell a live bpslaunch from a gone one: leave them all
+        return Path(tempfile.mkdtemp(prefix=FOLDER_PREFIX))
+    for left in Path(tempfile.gettempdir()).glob(f"{FOLDER_PREFIX}{namespace}-*-*"):
+        pid = left.name.split("-")[2]
+        try:
+            theirs = left.is_dir() and left.stat().st_uid == os.getuid()
+        except OSError:  # another bpslaunch removed it first
+            continue
+        if theirs and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{namespace}-{os.getpid()}-"))
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` names a process, any user's, in this pid namespace."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class _Interrupts:
+    """SIGINT and SIGTERM to bpslaunch, noted instead of acted on while in use (``with``), in
+    the order they came: :func:`supervise` then stops every role, and the status is 128+N
+    for the first (a shell's), after whatever bpslaunch made is removed."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+        self._before: dict[int, object] = {}
+
+    def __enter__(self) -> _Interrupts:
+        self._before = {s: signal.signal(s, self._note) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        for s, handler in self._before.items():
+            signal.signal(s, handler)
+
+    def _note(self, signum: int, _frame: object) -> None:
+        self.signals.append(signum)
 
 
 class _Restarts:
     """``bpslaunch --local --restarts N``: a worker that dies is started again (the same
     DMLC_WORKER_ID) while the job runs, up to N times in all, and joins the running job. One
-    that never joined because the job finished first is stopped then, and is no failure."""
+    that never joined because the job finished first is stopped then, and is no failure.
+
+    Restarts are told apart by their process group, not by their order: a worker's restarts
+    share its DMLC_WORKER_ID, and one that dies before it registers never joins, so the n-th
+    join of a worker need not be its n-th restart's."""
 
     def __init__(self, limit: int, scheduler: Child, workers: Sequence[Child],
-                 start: Callable[[int], Child], joined: Callable[[], list[str]]):
+                 start: Callable[[int], Child], joined: Callable[[], set[int]]):
         self.limit, self.scheduler, self.workers = limit, scheduler, list(workers)
-        self.start, self.joined = start, joined
+        self.start, self.joined = start, joined  # joined: the process groups the job took in
         self.made: list[Child] = []
         self.stopped: list[Child] = []  # stragglers stopped after the job finished
 
@@ -193,12 +279,10 @@ class _Restarts:
         return child
 
     def never_joined(self, child: Child) -> bool:
-        """A restarted worker that the job never took in: the scheduler records each join by
-        DMLC_WORKER_ID, and a worker's restarts register in the order they were made."""
-        if child not in self.made:
-            return False
-        same = [c for c in self.made if c.label == child.label]
-        return same.index(child) >= self.joined().count(child.label)
+        """A restarted worker that the job never took in: the scheduler records each join with
+        the process group of the worker it took in, and each child leads a group of its own
+        (``start_new_session``)."""
+        return child in self.made and child.proc.pid not in self.joined()
 
     def stop_stragglers(self) -> None:
         """After the job finished (the scheduler exited 0): stop the restarts still waiting
@@ -220,7 +304,8 @@ STOP_GRACE = 1.0  # seconds between SIGTERM and SIGKILL when bpslaunch stops its
 def supervise(children: list[Child], grace: float, timeout: float | None,
               workers: Sequence[Child] = (), formed: Callable[[], bool] | None = None,
               left_behind: Callable[[], list[str]] | None = None,
-              restart: _Restarts | None = None, independent: bool = False) -> int:
+              restart: _Restarts | None = None, independent: bool = False,
+              interrupts: _Interrupts | None = None) -> int:
     """Wait for every child and return the status of the first to fail, or 0. Every exit is
     recorded, however close together they come, until the last child has ended.
 
@@ -244,16 +329,22 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
     ``independent`` (a colocated worker host of an elastic job): a failure stops nothing but
     a usage error; the job goes on without the process that failed, so the host's others
     run to their own end, and the first failure is still the status.
+
+    ``interrupts``: the caller's, in use since before it started the children (SIGINT or
+    SIGTERM while they start); by default, noted from this call on.
     """
+    with _Interrupts() if interrupts is None else contextlib.nullcontext(interrupts) as seen:
+        return _supervise(children, grace, timeout, workers, formed, left_behind, restart,
+                          independent, seen.signals)
+
+
+def _supervise(children: list[Child], grace: float, timeout: float | None,
+               workers: Sequence[Child], formed: Callable[[], bool] | None,
+               left_behind: Callable[[], list[str]] | None, restart: _Restarts | None,
+               independent: bool, interrupted: list[int]) -> int:
     spare = [c for c in children if c.label.split()[0] in ("worker", "server")]
     job = _Supervision(children, grace, timeout, spare if left_behind else (), formed, restart,
                        independent)
-    interrupted: list[int] = []
-
-    def interrupt(signum, _frame):
-        interrupted.append(signum)
-
-    old = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while job.running():
             now = time.monotonic()
@@ -274,16 +365,18 @@ def supervise(children: list[Child], grace: float, timeout: float | None,
         for child in children:
             child.kill()
             child.join()
-        for s, handler in old.items():
-            signal.signal(s, handler)
     if interrupted:
         return 128 + interrupted[0]
     if left_behind is not None:
         gone = collections.Counter(left_behind())
         for child in job.deferred:
-            if gone[child.label] > 0:
+            if restart is not None and restart.never_joined(child):
+                # never in the job, so none of its losses: no failure once the job succeeded
+                if restart.scheduler.code != 0:
+                    job.failures.append((child.ended_at, child.code))
+            elif gone[child.label] > 0:
                 gone[child.label] -= 1
-            elif restart is None or not (restart.never_joined(child) and restart.scheduler.code == 0):
+            else:
                 job.failures.append((child.ended_at, child.code))
     return min(job.failures)[1] if job.failures else 0
 

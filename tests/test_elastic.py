@@ -33,11 +33,12 @@ ELASTIC = {"PS_HEARTBEAT_TIMEOUT_MS": "6000"}
 
 
 def elastic_job(workers: int, servers: int, minimum: int, *args: str, steps: int = STEPS,
-                launcher: tuple[str, ...] = ()):
+                launcher: tuple[str, ...] = (), wrapper: tuple[str, ...] = (), timeout: int = 100):
+    """``wrapper``: a command that runs the training program (given after it)."""
     return bpslaunch("--local", "--num-workers", str(workers), "--num-servers", str(servers),
-                     "--min-workers", str(minimum), "--timeout", "100", *launcher, "--",
-                     sys.executable, PROGRAM, "--steps", str(steps), *args, timeout=130,
-                     env=ELASTIC)
+                     "--min-workers", str(minimum), "--timeout", str(timeout), *launcher, "--",
+                     *wrapper, sys.executable, PROGRAM, "--steps", str(steps), *args,
+                     timeout=timeout + 30, env=ELASTIC)
 
 
 def survivors(out: str) -> list[tuple[int, str, int]]:
@@ -139,6 +140,41 @@ def test_a_worker_killed_as_it_joins_leaves_the_others_training(tmp_path):
                          "--step-s=0.15", steps=90, launcher=("--restarts", "2"))
     check_finished(result, 3, steps=90)
     assert result.stdout.count("restarting worker 1") == 2
+
+
+FLAPPING = str(Path(__file__).resolve().parent / "programs" / "flapping_worker.py")
+
+
+def test_a_restart_that_fails_before_registering_leaves_the_next_ones_join_alone(tmp_path):
+    # worker 1 is killed at step 4; its first restart fails before it registers, its second
+    # joins. bpslaunch knows its restarts by their process group, not by their order: the
+    # joiner is not taken for one that never joined and killed in its clean shutdown (137).
+    # The last step waits for the join, however long the restart takes to start
+    result = elastic_job(3, 2, 2, "--kill=1:4", "--step-s=0.1", f"--joins={tmp_path / 'joins'}:1",
+                         steps=30, launcher=("--restarts", "2"),
+                         wrapper=(sys.executable, FLAPPING, str(tmp_path / "starts"), "1", "--"))
+    check_finished(result, 3, steps=30)
+    assert "worker 1: restart 1 fails before it registers" in result.stdout
+    assert result.stdout.count("restarting worker 1") == 2
+    assert "never joined" not in result.stdout and "[bpslaunch] killing" not in result.stdout
+
+
+def test_a_flapping_worker_ends_with_the_job_when_its_last_restart_joins(tmp_path):
+    # worker 1's restarts: two fail before registering, the third dies as it joins (the job
+    # re-forms for it and then without it), two more fail before registering, the sixth
+    # joins and finishes with the others. The one that died after joining is the loss the
+    # scheduler recorded, not one of those that never registered. The last step waits for
+    # both joins; each starts torch first, tens of seconds on a loaded machine
+    result = elastic_job(3, 2, 2, "--kill=1:4", f"--kill-joiner={tmp_path / 'once'}",
+                         "--step-s=0.1", f"--joins={tmp_path / 'joins'}:2", steps=30,
+                         launcher=("--restarts", "6"), timeout=200,
+                         wrapper=(sys.executable, FLAPPING, str(tmp_path / "starts"), "1,2,4,5",
+                                  "--"))
+    check_finished(result, 3, steps=30)
+    assert result.stdout.count("fails before it registers") == 4
+    assert "killed as it joins" in result.stdout
+    assert result.stdout.count("restarting worker 1") == 6
+    assert "never joined" not in result.stdout and "[bpslaunch] killing" not in result.stdout
 
 
 def test_a_worker_that_is_only_slow_is_not_evicted():

@@ -339,6 +339,85 @@ def test_interrupting_bpslaunch_stops_every_role_within_2_s_with_one_line_each(s
     assert _alive_with(marker) == []
 
 
+#: a --local worker that says it runs, then waits to be stopped (argv[1]: a marker to find it by)
+SLEEPER = "import time; print('running', flush=True); time.sleep(120)"
+
+
+def _sleepers(folder, workers=2):
+    """bpslaunch --local with sleeping workers, its temporary directory ``folder``; and the
+    marker in its workers' command lines."""
+    marker = str(random.randint(10**8, 10**9))
+    job = subprocess.Popen([*LAUNCH, "--local", "--num-workers", str(workers), "--timeout", "100",
+                            "--", sys.executable, "-c", SLEEPER, marker],
+                           env={**os.environ, **FAST, "TMPDIR": str(folder)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return job, marker
+
+
+def _made(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("bpslaunch-"))
+
+
+def _gone(marker):
+    deadline = time.monotonic() + 10
+    while _alive_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _alive_with(marker) == []
+
+
+@pytest.mark.parametrize("sig, moment", [(signal.SIGTERM, "starting"), (signal.SIGINT, "starting"),
+                                         (signal.SIGTERM, "running")])
+def test_an_interrupted_bpslaunch_removes_its_folder(tmp_path, sig, moment):
+    """SIGTERM or SIGINT while the roles start (as soon as the folder exists) or while they run:
+    the roles stop, the folder goes, the status is 128+N."""
+    job, marker = _sleepers(tmp_path, workers=6)  # more roles to start: a longer start-up
+    lines = []
+    try:
+        if moment == "starting":
+            deadline = time.monotonic() + 60
+            while not _made(tmp_path) and time.monotonic() < deadline and job.poll() is None:
+                time.sleep(0.001)
+            assert _made(tmp_path), "bpslaunch made no folder"
+        else:
+            _read_until(job, r"\[worker 5\] running", lines)
+        job.send_signal(sig)
+        rest, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    out = "".join(lines) + rest
+    assert job.returncode == 128 + sig, out[-3000:]
+    assert f"[bpslaunch] interrupted by {signal.Signals(sig).name}; stopping every role" in out
+    assert _made(tmp_path) == [], out[-3000:]
+    assert _gone(marker)
+
+
+def test_a_folder_left_by_a_sigkill_is_removed_by_the_next_bpslaunch(tmp_path):
+    """SIGKILL runs no cleanup: the folder stays (its roles go, deathsig.py) until the next
+    bpslaunch in this pid namespace sees its bpslaunch is gone. Folders of a running bpslaunch,
+    of another namespace (another container's) or of another naming are kept."""
+    namespace = os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    running = tmp_path / f"bpslaunch-{namespace}-{os.getpid()}-running"
+    foreign = tmp_path / f"bpslaunch-{int(namespace) + 1}-999999999-foreign"
+    other = tmp_path / "bpslaunch-other"
+    for folder in (running, foreign, other):
+        folder.mkdir()
+    job, marker = _sleepers(tmp_path)
+    try:
+        _read_until(job, r"\[worker 1\] running", [])
+        killed = sorted(set(_made(tmp_path)) - {running.name, foreign.name, other.name})
+        assert len(killed) == 1 and killed[0].startswith(f"bpslaunch-{namespace}-{job.pid}-")
+        job.kill()
+        job.wait(timeout=30)
+    finally:
+        job.kill()
+    assert (tmp_path / killed[0]).is_dir()
+    assert _gone(marker)
+    result = bpslaunch("--local", "--num-workers", "1", "--", sys.executable, "-c", "pass",
+                       env={"TMPDIR": str(tmp_path)}, timeout=60)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert _made(tmp_path) == sorted([running.name, foreign.name, other.name])
+
+
 def test_local_workers_share_the_cores_unless_told_otherwise(tmp_path):
     """Each local worker gets cores // workers threads; a user's OMP_NUM_THREADS is kept (a blank
     one is unset); each takes its id as its device index (all share one host's GPUs). The three

@@ -13,7 +13,9 @@ CrossBarrier. Every survivor prints one line a step (``step N``), the
 time it took up training again after a re-form (``resumed in S s``), and at the end its step
 count and a digest of its parameters. A worker that joins the running job (``bpslaunch
 --restarts``) says so with the time it registered, and kills or pauses itself no more
-(``--kill-joiner``: the first joiner dies as it joins).
+(``--kill-joiner``: the first joiner dies as it joins). ``--joins FILE:N``: every joiner adds
+a line to FILE as it joins, and no worker takes the last step before FILE has N: a job that
+lasts until its restarts have joined, however long they take to start.
 """
 import argparse
 import copy
@@ -48,6 +50,13 @@ class MLP(torch.nn.Module):
         return self.fc2(hidden)
 
 
+def _lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as text:
+        return len(text.read().split())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=24)
@@ -61,6 +70,8 @@ def main() -> None:
                     "optimizer's agreement unless this file exists (it makes it first)")
     ap.add_argument("--step-s", type=float, default=0.0, help="every step sleeps this long (a "
                     "job that lasts until a restarted worker joins)")
+    ap.add_argument("--joins", default="", help="FILE:N: joiners add a line to FILE, and the "
+                    "last step waits for N")
     ap.add_argument("--wrapper", choices=["optimizer", "ddp", "crossbarrier"], default="optimizer")
     args = ap.parse_args()
     # torch's first optimizer imports torch._dynamo (seconds on a loaded machine): done before
@@ -70,9 +81,18 @@ def main() -> None:
     hvd.init()
     started_as = int(os.environ.get("DMLC_WORKER_ID", hvd.rank()))
     joined = hvd.client().epoch > 0
+    joins, awaited = (args.joins.rsplit(":", 1)[0], int(args.joins.rsplit(":", 1)[1])) \
+        if args.joins else ("", 0)
     if joined:
         print(f"worker {hvd.rank()}: joined the running job (epoch {hvd.client().epoch}), "
               f"registering at {registering:.3f}", flush=True)
+        if joins:
+            with open(joins, "a") as out:
+                out.write(f"{os.getpid()}\n")
+
+    def await_joins() -> None:
+        while joins and _lines(joins) < awaited:
+            time.sleep(0.05)
     kill_at = {int(w): int(s) for w, s in (k.split(":") for k in args.kill)}.get(started_as, -1)
     pause_at = int(args.pause.split(":")[1]) if args.pause and \
         int(args.pause.split(":")[0]) == started_as else -1
@@ -129,6 +149,8 @@ def main() -> None:
                     break
                 if state.step == kill_at and args.when == "before-push":
                     die(state.step)
+                if state.step == args.steps - 1:
+                    await_joins()
                 if state.step == pause_at:
                     subprocess.Popen(["sh", "-c", f"sleep {args.pause_s}; kill -CONT {os.getpid()}"])
                     print(f"worker {started_as}: pausing for {args.pause_s} s", flush=True)
