@@ -136,6 +136,9 @@ class Server:
         self.config, self.limits = config, limits
         self.ctx = ctx or zmq.Context.instance()
         self.data = make_socket(self.ctx, zmq.ROUTER, curve="server", data=config)
+        # a worker's connection that closed and came back (same name) takes over at once,
+        # though this side may not have seen the old one close yet
+        self.data.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.port = self.data.bind_to_random_port(f"tcp://{config.listen_host}")
         self.link = SchedulerLink(self.ctx, config)
         self.resparsify = resparsify
@@ -144,6 +147,9 @@ class Server:
         self.senders: dict[int, bytes] = {}  # worker rank -> the connection that pushes for it
         self.finished: set[int] = set()  # workers that said no push of theirs is left to come
         self.dead: dict[int, str] = {}  # key -> why its round can never complete
+        # key -> its last answered round and the answer, for a worker that sends a push of
+        # that round again (the answer may have been lost with a connection that closed)
+        self.answers: dict[int, tuple[int, list]] = {}
         self.rejected = 0
         self.stalls = StallWatch.from_env()
         self._stalls_checked = 0.0  # when check_stalls last looked (once a heartbeat interval)
@@ -247,6 +253,8 @@ class Server:
             if msg.op in (Op.FETCH, Op.RESIDUAL):
                 self.aggregator.check_sender(msg.sender)  # (a push binds its rank; these do not)
                 return self.on_fetch(msg, identity) if msg.op == Op.FETCH else self.on_restore(msg, identity)
+            if self.sent_again(msg, identity):
+                return
             answer = self.aggregator.push(msg.key, msg.round, msg.sender, msg.payload, owned=True,
                                           nonfinite=msg.extra.get("nonfinite", False))
             self.senders[msg.sender] = identity  # only an accepted push binds a rank
@@ -270,8 +278,27 @@ class Server:
         flagged = self.aggregator.keys[msg.key].flagged  # told to every worker alike
         frames_out = wire.encode(Op.RESULT, key=msg.key, round=msg.round, payload=answer,
                                  **({"nonfinite": flagged} if flagged else {}), **wire.epoch_field(self.epoch))
+        self.answers[msg.key] = (msg.round, frames_out)
         for peer in self.waiting.pop(msg.key):
             self._reply(peer, frames_out)
+
+    def sent_again(self, msg: wire.Message, identity: bytes) -> bool:
+        """Whether ``msg`` is a push this server already has (its worker sent it again after
+        its connection closed and came back): one of the round being summed is dropped (with
+        a receipt, if asked), one of the round last answered gets that answer again."""
+        state = self.aggregator.keys.get(msg.key)
+        if msg.op != Op.PUSH or state is None or self.senders.get(msg.sender) != identity:
+            return False
+        if msg.round == state.round and msg.sender in state.pushed:
+            if msg.extra.get("ack"):
+                self._reply(identity, wire.encode(Op.RECEIVED, key=msg.key, round=msg.round,
+                                                  **wire.epoch_field(self.epoch)))
+            return True
+        answered = self.answers.get(msg.key)
+        if answered is not None and answered[0] == msg.round:
+            self._reply(identity, answered[1])
+            return True
+        return False
 
     def on_fetch(self, msg: wire.Message, identity: bytes) -> None:
         """Send the key's residual as of the round asked (none: a header alone)."""
@@ -311,6 +338,7 @@ class Server:
         self.epoch, self.workers = epoch, workers
         self.aggregator = self._aggregator(workers)
         self.waiting, self.senders, self.finished, self.dead = {}, {}, set(), {}
+        self.answers = {}
         self._flush()  # (answers of the old membership, which its workers drop)
         self.batching = set()  # every worker connects anew for the new membership
         self.stalls = StallWatch.from_env()

@@ -37,6 +37,7 @@ from adtopk_ps.client.customer import Customer, Part
 from adtopk_ps.client.errors import HostsUpdatedInterrupt, MembershipChanged
 from adtopk_ps.client.handle import Handle
 from adtopk_ps.client.ledger import Ledger
+from adtopk_ps.client.resend import LinkDropsLargeMessages, Resender
 from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.client.slicer import Slicer
@@ -129,6 +130,9 @@ class Engine:
         self._in_hand: list[Job] = []  # between the queue and the wire
         # pushes waiting for credit (none without PS_CREDIT_BYTES); the engine thread's
         self.outbox = Outbox(credit_window())
+        # every push to each server until its answer: sent again after a reconnect
+        self.resend = Resender()
+        self._reconnects: list[int] = []  # each server connection's, as last seen
         self._credit: int | None = None  # a window set by set_credit, for the engine thread
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
         # messages for each server that are ready together leave as one batch (PS_BATCH_BYTES;
@@ -301,6 +305,8 @@ class Engine:
         servers.clear()
         self._batches.clear()
         self.servers = list(addresses)
+        self.resend = Resender()
+        self._reconnects = [0] * len(addresses)
         for address in addresses:
             sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",
                                curve="client", data=self.config)
@@ -433,6 +439,9 @@ class Engine:
                     f"worker {self.rank} cannot reach server {index} ({self.servers[index]}): "
                     f"no connection in {waited:.0f} s (a firewall, or the server's address "
                     f"is not reachable from this host?); ending the job")
+            if watch.reconnects > self._reconnects[index] and not finishing:
+                self._reconnects[index] = watch.reconnects
+                self._send_again(index)
             # an elastic job re-forms without a lost server: the scheduler's word comes as
             # soon as this worker's own notice (both see the connection close), or soon after
             patience = self.config.heartbeat_timeout if self.config.elastic else 0.0
@@ -443,6 +452,19 @@ class Engine:
                     f"back (the server exited or was killed, or nothing came back over the "
                     f"link for {self.config.heartbeat_timeout:.0f} s: PS_HEARTBEAT_TIMEOUT_MS); "
                     f"ending the job")
+
+    def _send_again(self, server: int) -> None:
+        """The connection to ``server`` came back: what it may have lost goes again."""
+        try:
+            again = self.resend.reconnected(server, f"worker {self.rank}",
+                                            f"server {server} ({self.servers[server]})")
+        except LinkDropsLargeMessages as exc:
+            raise ClusterError(f"{exc}; ending the job") from None
+        for frames in again:
+            self._send_to(server, frames)
+        log.warning("worker %d: the connection to server %d (%s) closed and came back; %d "
+                    "message(s) without an answer sent again", self.rank, server,
+                    self.servers[server], len(again))
 
     def _launch(self, servers: list[zmq.Socket]) -> None:
         while True:
@@ -484,6 +506,7 @@ class Engine:
             server = self.slicer.server_of(key, len(servers))
             self.customer.sent(key, server, size,
                                Part(job.handle, out, rnd, job.compressor, pname, payload.codec != "dense"))
+            self.resend.sent(server, key, rnd, frames, size)
             self.outbox.post(server, job.priority, frames, (key, rnd), size, self._send_to)
 
     def _send_to(self, server: int, frames: list) -> None:
@@ -524,7 +547,10 @@ class Engine:
             return
         self.outbox.received(server, (msg.key, msg.round), self._send_to)  # (answers count too)
         if msg.op == Op.RECEIVED:
+            self.resend.received(server, msg.key, msg.round)
             return
+        if not self.resend.answered(server, msg.key, msg.round):
+            return  # a push sent again after a reconnect, answered twice: the first counted
         self.customer.on_result(server, msg, sum(memoryview(f).nbytes for f in frames), self.size)
 
     def _on_stall(self, server: int, msg: wire.Message) -> None:

@@ -71,11 +71,13 @@ class PeerWatch(Monitor):
         self.retries = 0  # connection attempts that failed before the first handshake
         self.tcp_connected = False  # a TCP connection was made, handshake or not
         self.problem: str | None = None  # the last handshake failure, if any
+        self.reconnects = 0  # handshakes after the first: the connection closed and came back
 
     def update(self) -> None:
         """Read the socket's pending connect and disconnect events."""
         for event, _ in self.events():
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.reconnects += self.ever_connected
                 self.ever_connected, self.down_since, self.problem = True, None, None
             elif event == zmq.EVENT_DISCONNECTED:
                 if self.ever_connected and self.down_since is None:
