@@ -410,3 +410,32 @@ def test_the_engine_batches_what_is_ready_for_a_server_within_its_limits(monkeyp
 def create_dense(n):
     from adtopk_ps.compression import Dense
     return Dense().compress(torch.ones(n), "residual")
+
+
+def test_a_renumbered_worker_speaks_as_the_rank_it_had(caplog):
+    """Worker 2 hears that worker 1 was lost and becomes rank 1: its notice says so as worker
+    2 (before, "worker 1: worker 1 (127.0.0.1) lost", as if it had lost itself)."""
+    import logging
+
+    import zmq
+
+    from adtopk_ps.client.engine import Engine
+    from adtopk_ps.cluster.membership import ClusterConfig
+    config = ClusterConfig.from_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "3",
+                                     "DMLC_NUM_SERVER": "1", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                                     "DMLC_PS_ROOT_PORT": "9", "PS_MIN_WORKERS": "2"})
+    ctx = zmq.Context()
+    engine = Engine(config, ctx)  # its thread is never started: the test plays the scheduler
+    try:
+        engine.rank = 2
+        with caplog.at_level(logging.WARNING, logger="adtopk_ps"):
+            engine._reshape({"what": "worker 1 (127.0.0.1) lost", "rank": 1, "epoch": 1,
+                             "num_workers": 2})
+        assert engine.rank == 1
+        (line,) = [r.getMessage() for r in caplog.records if "lost" in r.getMessage()]
+        assert line.startswith("worker 2: worker 1 (127.0.0.1) lost; the job goes on with 2 "
+                               "worker(s), this one now rank 1 (epoch 1)"), line
+    finally:  # a context with open sockets would block whoever collects it
+        engine.stop(0)
+        engine._wake_in.close(0)
+        ctx.term()

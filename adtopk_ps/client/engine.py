@@ -416,12 +416,13 @@ class Engine:
             self.resumed.clear()
             # requests of the old membership not yet sent go too (a finish stays)
             self._commands = [c for c in self._commands if c[0] == Op.FINISH]
+            was = self.rank  # the rank the message speaks as: the new one is in ``error``
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
             self.changed = error
         self.customer.rounds.clear()
         if x.get("servers", self.servers) != self.servers:  # connected before the next push
             self._rebook = list(x["servers"])
-        log.warning("worker %d: %s", self.rank, error)
+        log.warning("worker %d: %s", was, error)
         self._fail_all(error)
         self.waiting = waiting
         if not waiting:
