@@ -151,6 +151,11 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         try:
             formed = folder / "formed"
             reformed = folder / "reformed"  # the workers an elastic job went without, or took in
+            # made once no worker can join any more (no restarts left, none on its way): a job
+            # below its minimum then ends at once instead of waiting PS_ELASTIC_TIMEOUT_S
+            closed = folder / "no-joiners"
+            if elastic and not restarts:
+                closed.touch()
 
             def changes(event: str) -> list[tuple[str, int]]:
                 """(label, process group) of each child lost, or joined (reform.py's record)"""
@@ -164,13 +169,14 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
                                                       "PS_DEVICE_INDEX": str(i)}, lock)
             children = [Child("scheduler", _python_module(SCHEDULER_MODULE),
                               {**base, "DMLC_ROLE": "scheduler", "PS_FORMED_FILE": str(formed),
-                               "PS_REFORMED_FILE": str(reformed)}, lock)]
+                               "PS_REFORMED_FILE": str(reformed),
+                               **({"PS_NO_JOINERS_FILE": str(closed)} if elastic else {})}, lock)]
             children += [Child(f"server {i}", _python_module(SERVER_MODULE),
                                {**base, "DMLC_ROLE": "server", "PS_SERVER_ID": str(i)}, lock)
                          for i in range(num_servers)]
             children += [worker(i) for i in range(num_workers)]
             again = _Restarts(restarts, children[0], children[-num_workers:], worker,
-                              lambda: {group for _, group in changes("joined")}) \
+                              lambda: {group for _, group in changes("joined")}, closed) \
                 if elastic and restarts else None
             return supervise(children, grace, timeout, workers=children[-num_workers:],
                              formed=formed.exists,
@@ -257,9 +263,11 @@ class _Restarts:
     join of a worker need not be its n-th restart's."""
 
     def __init__(self, limit: int, scheduler: Child, workers: Sequence[Child],
-                 start: Callable[[int], Child], joined: Callable[[], set[int]]):
+                 start: Callable[[int], Child], joined: Callable[[], set[int]],
+                 closed: Path | None = None):
         self.limit, self.scheduler, self.workers = limit, scheduler, list(workers)
         self.start, self.joined = start, joined  # joined: the process groups the job took in
+        self.closed = closed  # made once none can join any more (the scheduler reads it)
         self.made: list[Child] = []
         self.stopped: list[Child] = []  # stragglers stopped after the job finished
 
@@ -283,6 +291,13 @@ class _Restarts:
         the process group of the worker it took in, and each child leads a group of its own
         (``start_new_session``)."""
         return child in self.made and child.proc.pid not in self.joined()
+
+    def note_none_can_join(self) -> None:
+        """Once every restart is used and none is still alive (on its way to join, or in
+        the job), say so to the scheduler: no worker can join any more."""
+        if self.closed is not None and len(self.made) >= self.limit and \
+                all(c.poll() is not None for c in self.made) and not self.closed.exists():
+            self.closed.touch()
 
     def stop_stragglers(self) -> None:
         """After the job finished (the scheduler exited 0): stop the restarts still waiting
@@ -351,6 +366,7 @@ def _supervise(children: list[Child], grace: float, timeout: float | None,
             job.record_exits(now)
             if restart is not None:
                 restart.stop_stragglers()
+                restart.note_none_can_join()
             if formed is not None:
                 job.check_unformed(now, workers, formed)
             if interrupted and job.term_at is None:

@@ -369,3 +369,20 @@ def test_losing_every_worker_ends_the_job_instead_of_starting_over():
     assert result.returncode != 0, result.stdout
     assert "no other worker remains to hand the training state to one that joins" in result.stdout
     assert "done step=40" not in result.stdout
+
+
+@pytest.mark.parametrize("restarts", ["0", "1"])
+def test_below_the_minimum_with_no_restarts_left_the_job_ends_at_once(restarts, tmp_path):
+    """3 workers, at least 2: two die (with a restart, the restart dies as it joins). Nothing
+    can join any more, and bpslaunch says so: the one left ends the job within seconds,
+    naming why, instead of waiting PS_ELASTIC_TIMEOUT_S (600 s)."""
+    kills = ["--kill=1:5", "--kill=2:5"] + ([f"--kill-joiner={tmp_path / 'once'}"]
+                                            if restarts == "1" else [])
+    started = time.monotonic()
+    result = elastic_job(3, 1, 2, *kills, "--step-s=0.05", steps=400,
+                         launcher=("--restarts", restarts), timeout=120)
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stdout
+    assert re.search(r"only 1 worker\(s\) remain, below PS_MIN_WORKERS=2, and no worker can "
+                     r"join \(bpslaunch has no restarts left\)", result.stdout), result.stdout
+    assert "done step=400" not in result.stdout and took < 100, took

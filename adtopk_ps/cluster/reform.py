@@ -143,6 +143,11 @@ class Reforming:
             return None
         now = time.monotonic()
         waited = now - self.short_since
+        closed = os.environ.get("PS_NO_JOINERS_FILE", "").strip()  # bpslaunch --local's word
+        if closed and os.path.exists(closed) and not self.joining:
+            have, minimum = len(self._ranked()), self.config.bounds[0]
+            return self._end_job(f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}, "
+                                 f"and no worker can join (bpslaunch has no restarts left)", 1)
         if waited > self.config.elastic_timeout:
             have, minimum = len(self._ranked()), self.config.bounds[0]
             return self._end_job(f"only {have} worker(s) remain, below PS_MIN_WORKERS={minimum}, "
