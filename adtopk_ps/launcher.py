@@ -51,6 +51,7 @@ from typing import Callable, Mapping, Sequence
 from adtopk_ps.allocator import keep_freed_memory
 from adtopk_ps.cluster import security
 from adtopk_ps.cluster.membership import ClusterConfig
+from adtopk_ps.cluster.stop import EXIT_GRACE_S
 from adtopk_ps.core.env import EnvError, env_int
 from adtopk_ps.deathsig import guarded
 
@@ -139,6 +140,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         "DMLC_NODE_HOST": "127.0.0.1", "BYTEPS_LOCAL_SIZE": "1", "BYTEPS_LOCAL_RANK": "0",
         "PYTHONUNBUFFERED": "1", "PS_JOB_ID": os.environ.get("PS_JOB_ID") or uuid.uuid4().hex[:12],
     })
+    base.setdefault("PS_EXIT_GRACE_S", str(int(EXIT_GRACE_S)))  # a hung worker ends by itself
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     elastic = any(base.get(v, "").strip() for v in ("PS_MIN_WORKERS", "PS_MAX_WORKERS"))
@@ -579,6 +581,7 @@ def run_role(command: Sequence[str], environ: Mapping[str, str] | None = None,
         raise EnvError("DMLC_ROLE=worker needs the training command after bpslaunch")
     size = local_size(env)
     env["BYTEPS_LOCAL_SIZE"] = str(size)
+    env.setdefault("PS_EXIT_GRACE_S", str(int(EXIT_GRACE_S)))  # a hung worker ends by itself
     if size > 1:
         share_cores(env, size)
     ClusterConfig.from_env(env)  # the local size must agree with the rest of the contract

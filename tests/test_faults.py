@@ -178,3 +178,25 @@ def test_a_worker_whose_loop_hangs_is_named_then_the_job_ends():
     assert re.search(r"\[scheduler\] .*have waited \d+ s for worker 1 \(127\.0\.0\.1\)", out)
     for role in ("worker 0", "server 0"):
         assert re.search(rf"\[{role}\] .*the job stalled: .* for worker 1", out), role
+
+
+def test_a_worker_whose_main_thread_hangs_exits_by_itself_once_the_job_ended():
+    """Worker 1 dies; worker 0's main thread sleeps in its own code, never calling into the
+    cluster again. Its engine hears the job ended and, PS_EXIT_GRACE_S later, ends the process
+    itself, naming why (before, it waited for bpslaunch to kill it, and on a pod, forever)."""
+    program = ("import os, signal, time, torch, adtopk_ps.torch as bps\n"
+               "bps.init()\n"
+               "bps.client().push_pull(torch.ones(4, 4), 'x').wait()\n"
+               "if bps.rank() == 1:\n"
+               "    os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(120)\n")
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
+                       sys.executable, "-c", program, env={**DEFAULTS, "PS_EXIT_GRACE_S": "2"},
+                       timeout=90)
+    took = time.monotonic() - began
+    out = result.stdout
+    assert result.returncode != 0 and took < 40, (took, out[-3000:])
+    assert re.search(r"\[worker 0\] worker 0: worker 1 \(127\.0\.0\.1\) lost: .*; this process's "
+                     r"main thread did not end it within 2 s \(PS_EXIT_GRACE_S\): exiting", out), out[-3000:]
+    assert "[bpslaunch] killing" not in out, out[-3000:]  # it did not need the launcher's grace

@@ -42,6 +42,7 @@ from adtopk_ps.client.server_residuals import Replies
 from adtopk_ps.cluster.liveness import PeerWatch
 from adtopk_ps.client.slicer import Slicer
 from adtopk_ps.cluster.membership import ClusterConfig, KeyLayout, part_name, split
+from adtopk_ps.cluster.stop import exit_unless_ended
 from adtopk_ps.cluster.transport import (Batches, ClusterError, SchedulerLink, batch_bytes,
                                          drain, make_socket, register_timeout, send)
 from adtopk_ps.compression import Compressor, Dense, Request, start_each
@@ -280,6 +281,10 @@ class Engine:
             if not isinstance(exc, ClusterError):
                 log.exception("worker engine failed")
             self.error = exc if isinstance(exc, ClusterError) else ClusterError(f"engine failed: {exc}")
+            grace = float(env_int("PS_EXIT_GRACE_S", 0, minimum=0))
+            if grace and self._ready.is_set():  # (an error before that is init()'s to raise)
+                exit_unless_ended(f"worker {self.rank}: {self.error}", link.status if
+                                  link.shutdown else 1, grace)
             self._ready.set()
             self.resumed.set()
             self._fail_all(self.error)

@@ -65,3 +65,27 @@ def exit_when_done(status: int | None) -> NoReturn:
         except (OSError, ValueError):  # a closed pipe: nothing more can reach it
             pass
     os._exit(0 if status is None else status)
+
+
+#: how long a worker's main thread has, once the job ended for it, to end the process
+EXIT_GRACE_S = 5.0
+
+
+def exit_unless_ended(why: str, status: int, grace: float) -> None:
+    """The job ended for this process (``why``): end it with ``status`` unless its main thread
+    does so within ``grace`` seconds. A training loop that hangs in its own code never calls
+    into the cluster again to hear of it, and on a pod nobody would stop it. Armed only
+    where the launcher says so (``PS_EXIT_GRACE_S``, which ``bpslaunch`` sets for the
+    training command), never in a process that embeds a client (a test's).
+
+    Example::
+
+        exit_unless_ended("worker 1 lost", 1, 5.0)   # a daemon thread; returns at once
+    """
+    def watch() -> None:
+        threading.Event().wait(grace)
+        os.write(2, f"{why}; this process's main thread did not end it within {grace:.0f} s "
+                    f"(PS_EXIT_GRACE_S): exiting\n".encode(errors="replace"))
+        os._exit(status)
+
+    threading.Thread(target=watch, name="adtopk-exit-grace", daemon=True).start()
