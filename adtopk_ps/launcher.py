@@ -141,6 +141,7 @@ def run_local(num_workers: int, num_servers: int, command: Sequence[str],
         "PYTHONUNBUFFERED": "1", "PS_JOB_ID": os.environ.get("PS_JOB_ID") or uuid.uuid4().hex[:12],
     })
     base.setdefault("PS_EXIT_GRACE_S", str(int(EXIT_GRACE_S)))  # a hung worker ends by itself
+    base.setdefault("PS_LISTEN_HOST", "127.0.0.1")  # nothing off this host reaches the job
     share_cores(base, num_workers)
     grace = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, environ=base) / 1000 + 5
     elastic = any(base.get(v, "").strip() for v in ("PS_MIN_WORKERS", "PS_MAX_WORKERS"))

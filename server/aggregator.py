@@ -296,7 +296,8 @@ class Aggregator:
                                    f"{self.max_keys} keys")
             if others + nbytes > self.max_bytes:
                 raise PushRejected(f"the residual of key {key} needs {nbytes} bytes; the server "
-                                   f"holds {others} of its {self.max_bytes} byte limit")
+                                   f"holds {others} of its {self.max_bytes} byte limit "
+                                   f"(PS_SERVER_MAX_BYTES)")
             self.bytes_held, self.prepaid[key] = others + nbytes, nbytes
         self.resparsify.memory.residuals[residual_name(key)] = \
             payload.values.view(payload.shape).clone()
@@ -316,7 +317,7 @@ class Aggregator:
         others = self.bytes_held - self.prepaid.get(key, 0)  # (a residual put back is one copy)
         if others + nbytes > self.max_bytes:
             raise PushRejected(f"key {key} needs {nbytes} bytes; the server holds {others} "
-                               f"of its {self.max_bytes} byte limit")
+                               f"of its {self.max_bytes} byte limit (PS_SERVER_MAX_BYTES)")
         state = KeyState(payload.shape, payload.dtype, sparse)
         held = self.resparsify.memory.residuals.get(residual_name(key)) if self.resparsify else None
         if held is not None:  # restored before the key's first push

@@ -75,9 +75,9 @@ def memory_bytes() -> int:
 #: the compressors that keep a width in pushes: their selection is exactly as many entries as
 #: asked (ADTopk keeps some in every row, a threshold as many as pass it)
 COUNTED = ("topk", "randomk")
-#: how many memberships ahead of its own a server keeps a push for (two re-forms can come
-#: before it hears of the first); a push further ahead is of no membership announced
-EARLY_EPOCHS = 2
+#: how many memberships ahead of its own a server keeps a push for (re-forms can come in a
+#: burst before it hears of the first); a push further ahead is of no membership announced
+EARLY_EPOCHS = 16
 #: what workers send a server: pushes, their finish, and a checkpoint's residuals out and in
 SERVED = (Op.PUSH, Op.FINISH, Op.FETCH, Op.RESIDUAL, Op.BATCH)
 
@@ -186,10 +186,11 @@ class Server:
             tick_ms = int(self.config.heartbeat_interval * 1000)
             while not self.link.shutdown:
                 for sock, _ in poller.poll(tick_ms):
-                    if sock is self.link.sock:
-                        msg = self.link.handle(self.link.sock.recv_multipart(copy=False))
-                        if msg.op == Op.RESHAPE:
-                            self.reshape(msg.extra["epoch"], msg.extra["num_workers"])
+                    if sock is self.link.sock:  # every word waiting: re-forms come in bursts
+                        for frames in drain(self.link.sock):
+                            msg = self.link.handle(frames)
+                            if msg.op == Op.RESHAPE:
+                                self.reshape(msg.extra["epoch"], msg.extra["num_workers"])
                     elif sock is self.data:
                         for identity, *frames in drain(self.data, seconds=tick_ms / 2000):
                             self.on_push(identity.bytes, frames)

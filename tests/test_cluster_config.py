@@ -72,3 +72,17 @@ def test_partitions_cover_the_tensor_keep_fibres_whole_and_respect_the_size(shap
     assert all(a + n == b for (a, n), (b, _) in zip(blocks, blocks[1:]))
     for _, n in blocks:  # a block exceeds the limit only when one row alone does
         assert n * unit * 4 <= limit or n == 1
+
+
+def test_a_jobs_description_keeps_differences_past_its_cut_and_is_bounded():
+    from adtopk_ps.cluster.membership import JOB_CHARS, describe_job, job_differences
+    a = describe_job({"data.path": "x" * 500 + "a", "optimizer.lr": 0.1})
+    b = describe_job({"data.path": "x" * 500 + "b", "optimizer.lr": 0.1})
+    assert all(len(v) <= 200 for _, v in a)
+    lines = job_differences(a, b)
+    assert len(lines) == 1 and lines[0].startswith("data.path: the job has 'xxx")
+    assert job_differences(a, a) == []
+    with pytest.raises(ValueError, match=f"exceeds the limit of {JOB_CHARS}"):
+        describe_job({f"k{i}": "v" * 190 for i in range(200)})
+    with pytest.raises(ValueError, match="must map names"):
+        describe_job({1: 2})

@@ -98,3 +98,15 @@ def test_a_bad_row_list_is_refused_by_both_paths(rows, compiled, monkeypatch):
         monkeypatch.setattr(checks, "_positions", None)
     with pytest.raises(PayloadError, match="must be increasing rows within"):
         checks._check_rows(torch.tensor(rows), 9, len(rows))
+
+
+def test_a_row_set_for_a_view_of_no_elements_is_refused_before_any_memory():
+    """A fibre view with a zero dimension carries no values, so nothing bounds its row set
+    by the message: it is refused by name, whatever rows it names."""
+    from adtopk_ps.wire.checks import payload_from_fields
+    lead = 8000
+    meta = {"codec": "fibre", "shape": [lead, 5, 0], "dtype": "float32", "vdtype": "float32",
+            "count": 0, "idtype": "uint8", "view": [lead, 5, 0], "k": 1, "rows": 7999,
+            "rowset": "bitmap"}
+    with pytest.raises(PayloadError, match=r"a row set for a view of no elements"):
+        payload_from_fields(meta, [b"", b"", b"\xff" * (lead // 8)])

@@ -54,3 +54,23 @@ def test_reconnects_whose_messages_each_got_through_are_not_a_black_hole():
         r.received(0, 1, rnd)  # delivered (the round waits for the other workers)
         assert r.answered(0, 1, rnd)
     assert r.resent_total == 5
+
+
+def test_a_second_answer_is_dropped_even_after_another_reconnect():
+    r = Resender()
+    r.sent(0, 7, 4, frames(7, 4), 10)
+    r.reconnected(0, "worker 0", "server 0")
+    assert r.answered(0, 7, 4)
+    r.received(0, 7, 4)
+    r.reconnected(0, "worker 0", "server 0")  # the copy's answer is still on its way
+    assert not r.answered(0, 7, 4)
+    assert r.answered(0, 7, 5)  # the next round's answer counts
+
+
+def test_a_link_that_flaps_faster_than_the_heartbeat_timeout_is_not_a_black_hole():
+    """A black hole closes the connection only a heartbeat timeout after the lost message:
+    two closes in quick succession, the receipts not back yet, are a flapping link."""
+    r = Resender(heartbeat_timeout=60.0)
+    r.sent(0, 1, 0, frames(1, 0, 5000), 5000)
+    r.reconnected(0, "worker 1", "server 0")
+    assert len(r.reconnected(0, "worker 1", "server 0")) == 1  # sent again once more

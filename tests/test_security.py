@@ -171,9 +171,14 @@ def test_an_insider_flooding_a_future_epoch_or_a_foreign_rank_is_refused_and_sto
 
 
 def test_roles_of_a_local_cluster_listen_on_loopback_only():
-    """Every role announcing a loopback address (bpslaunch --local) binds loopback: a
-    port of the scheduler's or a server's is not reachable from another interface."""
-    with roles(1, 1) as (config, procs):
+    """bpslaunch --local gives every role PS_LISTEN_HOST=127.0.0.1: a port of the
+    scheduler's or a server's is not reachable from another interface."""
+    out = subprocess.run([sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers",
+                          "1", "--num-servers", "1", "--", sys.executable, "-c",
+                          "import os; print('listen', os.environ['PS_LISTEN_HOST'])"],
+                         capture_output=True, text=True, timeout=120)
+    assert "listen 127.0.0.1" in out.stdout, out.stdout + out.stderr
+    with roles(1, 1, PS_LISTEN_HOST="127.0.0.1") as (config, procs):
         client = PSClient(config, ctx=zmq.Context())
         ports = {int(client.servers[0].rsplit(":", 1)[1]), config.root_port}
         listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=True).stdout
@@ -182,3 +187,11 @@ def test_roles_of_a_local_cluster_listen_on_loopback_only():
             assert f"127.0.0.1:{port}" in local, (port, sorted(local))
             assert f"0.0.0.0:{port}" not in local and f"*:{port}" not in local
         client.shutdown()
+
+
+def test_a_listen_host_that_is_not_an_address_is_named():
+    from adtopk_ps.cluster.membership import ClusterConfig
+    env = {"DMLC_ROLE": "server", "DMLC_NUM_WORKER": "1", "DMLC_NUM_SERVER": "1",
+           "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9", "PS_LISTEN_HOST": "lo"}
+    with pytest.raises(EnvError, match="PS_LISTEN_HOST='lo' must be an IPv4 address"):
+        ClusterConfig.from_env(env)

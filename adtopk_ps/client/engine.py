@@ -132,7 +132,7 @@ class Engine:
         # pushes waiting for credit (none without PS_CREDIT_BYTES); the engine thread's
         self.outbox = Outbox(credit_window())
         # every push to each server until its answer: sent again after a reconnect
-        self.resend = Resender()
+        self.resend = Resender(config.heartbeat_timeout)
         self._reconnects: list[int] = []  # each server connection's, as last seen
         self._credit: int | None = None  # a window set by set_credit, for the engine thread
         self._sockets: list[zmq.Socket] = []  # the servers' connections, while _serve runs
@@ -310,7 +310,7 @@ class Engine:
         servers.clear()
         self._batches.clear()
         self.servers = list(addresses)
-        self.resend = Resender()
+        self.resend = Resender(self.config.heartbeat_timeout)
         self._reconnects = [0] * len(addresses)
         for address in addresses:
             sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",
@@ -423,6 +423,7 @@ class Engine:
             self._commands = [c for c in self._commands if c[0] == Op.FINISH]
             was = self.rank  # the rank the message speaks as: the new one is in ``error``
             self.epoch, self.rank, self.size = x["epoch"], x["rank"], x["num_workers"]
+            self.resend = Resender(self.config.heartbeat_timeout)  # the old rounds are abandoned
             self.changed = error
         self.customer.rounds.clear()
         if x.get("servers", self.servers) != self.servers:  # connected before the next push

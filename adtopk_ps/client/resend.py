@@ -31,8 +31,10 @@ class LinkDropsLargeMessages(RuntimeError):
 class _Link:
     unanswered: dict[tuple[int, int], tuple[list, int]] = field(default_factory=dict)
     resent: set[tuple[int, int]] = field(default_factory=set)  # at the last reconnect, no receipt yet
-    again: set[tuple[int, int]] = field(default_factory=set)  # sent again at the last reconnect
-    answered_once: set[tuple[int, int]] = field(default_factory=set)  # of those: a second may come
+    again: set[tuple[int, int]] = field(default_factory=set)  # sent again, not answered yet
+    # key -> the round of its last push that was sent again and answered: a second answer of
+    # it may still come (the original and the copy both reached the server)
+    answered_once: dict[int, int] = field(default_factory=dict)
     reconnects: list[float] = field(default_factory=list)
 
 
@@ -48,9 +50,12 @@ class Resender:
             send(sockets[1], frames)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, heartbeat_timeout: float = 0.0) -> None:
         self.links: dict[int, _Link] = {}  # by server, from its first message
         self.resent_total = 0
+        # a black hole closes the connection a heartbeat timeout after the lost message was
+        # sent: the far side hears nothing more of it (its pings wait behind that message)
+        self.heartbeat_timeout = heartbeat_timeout
 
     def sent(self, server: int, key: int, round: int, frames: list, size: int) -> None:
         """Keep a push until its answer comes."""
@@ -60,13 +65,15 @@ class Resender:
         """Its answer (or an error naming it) came: nothing to send again. False for the
         second answer of a push sent again (the first was still on its way): one to drop."""
         link, tag = self.links.setdefault(server, _Link()), (key, round)
-        if link.unanswered.pop(tag, None) is None and tag in link.answered_once:
-            link.answered_once.discard(tag)
-            return False
+        if link.unanswered.pop(tag, None) is None:
+            if link.answered_once.get(key) == round:
+                del link.answered_once[key]
+                return False
+            return True
         link.resent.discard(tag)
         if tag in link.again:
             link.again.discard(tag)
-            link.answered_once.add(tag)
+            link.answered_once[key] = round
         return True
 
     def received(self, server: int, key: int, round: int) -> None:
@@ -82,8 +89,8 @@ class Resender:
         now = time.monotonic()
         link.reconnects.append(now)
         lost_again = [link.unanswered[k][1] for k in link.resent if k in link.unanswered]
-        if lost_again:
-            took = now - link.reconnects[-2]
+        took = now - link.reconnects[-2] if len(link.reconnects) > 1 else 0.0
+        if lost_again and took >= self.heartbeat_timeout / 2:
             raise LinkDropsLargeMessages(
                 f"{worker} -> {peer}: messages are not delivered: what was sent again when the "
                 f"connection came back ({len(lost_again)} message(s), the largest "
@@ -91,7 +98,7 @@ class Resender:
                 f"later while the heartbeats got through (a link that drops large packets: an "
                 f"MTU black hole?)")
         link.resent = set(link.unanswered)
-        link.again, link.answered_once = set(link.unanswered), set()
+        link.again |= set(link.unanswered)
         self.resent_total += len(link.unanswered)
         return [with_receipt(frames) for frames, _ in link.unanswered.values()]
 

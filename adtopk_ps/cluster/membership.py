@@ -57,6 +57,10 @@ class ClusterConfig:
     elastic_timeout: float = 600.0  # PS_ELASTIC_TIMEOUT_S: how long it waits below the minimum
     # PS_PLACEMENT: "balanced" (agreed tensors cut and spread by bytes) or "hash" (byteps')
     placement: str = "balanced"
+    # PS_LISTEN_HOST: the interface a binding socket (the scheduler's, a server's) listens on:
+    # every one ("*") unless set (bpslaunch --local sets 127.0.0.1: nothing off the host
+    # reaches a local cluster)
+    listen_host: str = "*"
     # what every worker of the job must share, as (name, value shown) pairs (``init(job=...)``):
     # a worker that joins a running elastic job with another is refused at registration
     job: tuple[tuple[str, str], ...] = ()
@@ -77,15 +81,6 @@ class ClusterConfig:
     def scheduler_address(self) -> str:
         """The scheduler's zmq endpoint, ``tcp://DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``."""
         return f"tcp://{self.root_uri}:{self.root_port}"
-
-    @property
-    def listen_host(self) -> str:
-        """The interface this node's binding socket listens on: loopback where the node
-        announces a loopback address (every role on one host, as ``bpslaunch --local`` runs
-        them), so that nothing off the host reaches it; every interface otherwise (the
-        address a node announces may be one that a NAT or a pod network maps to it)."""
-        own = self.root_uri if self.role == "scheduler" else self.node_host
-        return "127.0.0.1" if is_loopback(own) else "*"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -132,6 +127,13 @@ class ClusterConfig:
                            f"one of {list(PLACEMENTS)}")
         hb_ms = env_int("PS_HEARTBEAT_INTERVAL_MS", 500, minimum=10, environ=env)
         timeout_ms = env_int("PS_HEARTBEAT_TIMEOUT_MS", 10000, minimum=2 * hb_ms, environ=env)
+        listen = env.get("PS_LISTEN_HOST", "").strip() or "*"
+        if listen != "*":
+            try:
+                ipaddress.IPv4Address(listen)
+            except ValueError:
+                raise EnvError(f"environment variable PS_LISTEN_HOST={listen!r} must be an IPv4 "
+                               f"address of this host, or * for every interface") from None
         return cls(
             role=role,
             num_workers=num_workers,
@@ -150,6 +152,7 @@ class ClusterConfig:
             max_workers=max_workers,
             elastic_timeout=float(env_int("PS_ELASTIC_TIMEOUT_S", 600, minimum=1, environ=env)),
             placement=placement,
+            listen_host=listen,
         )
 
     def apply_verbosity(self) -> None:
@@ -177,14 +180,17 @@ def start_role(role: str) -> ClusterConfig:
     return config
 
 
-#: the most names a job's description holds, and the longest value shown
-JOB_NAMES, JOB_VALUE_CHARS = 512, 200
+#: the most names a job's description holds, the longest name or value shown, and the most
+#: characters of all of them (it travels in a registration's header)
+JOB_NAMES, JOB_VALUE_CHARS, JOB_CHARS = 512, 200, 32 << 10
 
 
 def describe_job(job: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
     """A job's description as registration carries it: its names in order, each value shown
-    by ``repr`` (cut to ``JOB_VALUE_CHARS``); a mapping of more than ``JOB_NAMES`` names, or
-    anything but a mapping with string names, raises ``ValueError``.
+    by ``repr``. A name or value longer than ``JOB_VALUE_CHARS`` is cut, with a digest of the
+    whole, so that two that differ only past the cut still differ. More than ``JOB_NAMES``
+    names, more than ``JOB_CHARS`` characters in all, or anything but a mapping with string
+    names raises ``ValueError``.
 
     Example::
 
@@ -195,7 +201,18 @@ def describe_job(job: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
         raise ValueError(f"a job's description must map names (str) to values, got {type(job).__name__}")
     if len(job) > JOB_NAMES:
         raise ValueError(f"a job's description holds {len(job)} names; at most {JOB_NAMES} are allowed")
-    return tuple((name[:JOB_VALUE_CHARS], repr(job[name])[:JOB_VALUE_CHARS]) for name in sorted(job))
+    pairs = tuple((_shown(name), _shown(repr(job[name]))) for name in sorted(job))
+    chars = sum(len(a) + len(b) for a, b in pairs)
+    if chars > JOB_CHARS:
+        raise ValueError(f"a job's description of {chars} characters exceeds the limit of {JOB_CHARS}")
+    return pairs
+
+
+def _shown(text: str) -> str:
+    if len(text) <= JOB_VALUE_CHARS:
+        return text
+    digest = hashlib.sha256(text.encode(errors="backslashreplace")).hexdigest()[:12]
+    return f"{text[:JOB_VALUE_CHARS - 30]}... (sha256 {digest})"
 
 
 def job_differences(ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str]]) -> list[str]:
@@ -203,14 +220,6 @@ def job_differences(ours: Sequence[Sequence[str]], theirs: Sequence[Sequence[str
     a, b = dict(map(tuple, ours)), dict(map(tuple, theirs))
     return [f"{name}: the job has {a.get(name, '(none)')}, this worker {b.get(name, '(none)')}"
             for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or ``localhost``) is this host's loopback."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def node_host(env: Mapping[str, str]) -> str:

@@ -246,8 +246,11 @@ class Scheduler(Reforming):
         if self.description is None:
             self.description = theirs
             return None
-        if not joining or not theirs or not self.description:
+        if not joining or not self.description:
             return None
+        if not theirs:
+            return (f"the worker at {host} does not describe its job (init(job=...)), and the "
+                    f"running job's workers do")
         lines = job_differences(self.description, theirs)
         if not lines:
             return None

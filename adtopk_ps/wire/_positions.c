@@ -44,7 +44,7 @@ static PyObject *span(PyObject *self, PyObject *args)
 
 /* bitmap_rows(bitmap, lead, out_addr, live) -> rows named (-1: a bit set past row lead - 1).
  * Bit b of byte i names row 8i + b. The rows go to out (int64, room for live) only when
- * the bitmap names exactly live of them. */
+ * the bitmap names exactly live of them, and out_addr is not 0 (0: count only). */
 static PyObject *bitmap_rows(PyObject *self, PyObject *args)
 {
     Py_buffer bitmap;
@@ -66,7 +66,7 @@ static PyObject *bitmap_rows(PyObject *self, PyObject *args)
     }
     for (Py_ssize_t i = 0; i < nbytes; i++)
         named += __builtin_popcount(bits[i]);
-    if (named == live) {
+    if (named == live && out_addr) {
         int64_t *out = (int64_t *)(uintptr_t)out_addr;
         Py_ssize_t at = 0;
         for (Py_ssize_t i = 0; i < nbytes; i++)

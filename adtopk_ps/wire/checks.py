@@ -103,9 +103,12 @@ def _rows_from_buffer(buf, row_set: str, live: int, lead: int) -> torch.Tensor:
     if row_set == "list":
         return _from_buffer(mv, index_dtype(lead), live, "row set").long()
     # counted before anything is unpacked: memory in proportion to the frame and to ``live``
-    if _positions is not None:
-        rows = torch.empty(live, dtype=torch.int64)
-        named = _positions.bitmap_rows(mv, lead, rows.data_ptr(), live)
+    if _positions is not None:  # counted (out 0) before the rows are given memory
+        rows = None
+        named = _positions.bitmap_rows(mv, lead, 0, live)
+        if named == live:
+            rows = torch.empty(live, dtype=torch.int64)
+            _positions.bitmap_rows(mv, lead, rows.data_ptr(), live)
     else:
         rows, named = _unpack_bitmap(np.frombuffer(mv, dtype=np.uint8), lead, live)
     if named < 0:
@@ -202,6 +205,8 @@ def _check_row_fields(spec: dict, lead: int) -> int:
         raise PayloadError("metadata fields 'rows' and 'rowset' come together")
     if spec["rowset"] not in ROW_SETS:
         raise PayloadError(f"rowset {spec['rowset']!r} not allowed; valid: {list(ROW_SETS)}")
+    if not math.prod(spec["view"]):
+        raise PayloadError(f"a row set for a view of no elements ({spec['view']})")
     if not 0 <= spec["rows"] < lead:
         raise PayloadError(f"rows {spec['rows']} outside [0, {lead}): a payload carrying every row "
                            "has no row set")
