@@ -156,6 +156,17 @@ def test_a_slow_worker_delays_the_others_but_every_aggregate_stays_exact(tmp_pat
     assert waits[1] < 0.2  # its pushes come last, so its rounds complete at once
 
 
+def _fails_within_40_s(program: str, env: dict) -> str:
+    """The output of ``program`` run by two workers and a server (``bpslaunch --local``),
+    a job that must fail within 40 s."""
+    began = time.monotonic()
+    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
+                       sys.executable, "-c", program, env=env, timeout=90)
+    took = time.monotonic() - began
+    assert result.returncode != 0 and took < 40, (took, result.stdout[-3000:])
+    return result.stdout
+
+
 def test_a_worker_whose_loop_hangs_is_named_then_the_job_ends():
     """Worker 1's process and heartbeats stay alive but it never pushes (a stuck data loader):
     after PS_STALL_WARN_S the waiting worker names it and the tensor, the scheduler names it,
@@ -166,13 +177,7 @@ def test_a_worker_whose_loop_hangs_is_named_then_the_job_ends():
                "    bps.client().push_pull(torch.ones(4, 4), 'stuck.tensor').wait()\n"
                "else:\n"
                "    time.sleep(120)\n")
-    began = time.monotonic()
-    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
-                       sys.executable, "-c", program,
-                       env={"PS_STALL_WARN_S": "2", "PS_STALL_ABORT_S": "5"}, timeout=90)
-    took = time.monotonic() - began
-    out = result.stdout
-    assert result.returncode != 0 and took < 40, (took, out[-3000:])
+    out = _fails_within_40_s(program, {"PS_STALL_WARN_S": "2", "PS_STALL_ABORT_S": "5"})
     assert re.search(r"\[worker 0\] .*worker 0: 1 round\(s\) on server 0 have waited \d+ s for "
                      r"worker\(s\) \[1\].*tensors: stuck\.tensor", out), out[-3000:]
     assert re.search(r"\[scheduler\] .*have waited \d+ s for worker 1 \(127\.0\.0\.1\)", out)
@@ -190,13 +195,7 @@ def test_a_worker_whose_main_thread_hangs_exits_by_itself_once_the_job_ended():
                "if bps.rank() == 1:\n"
                "    os.kill(os.getpid(), signal.SIGKILL)\n"
                "time.sleep(120)\n")
-    began = time.monotonic()
-    result = bpslaunch("--local", "--num-workers", "2", "--num-servers", "1", "--",
-                       sys.executable, "-c", program, env={**DEFAULTS, "PS_EXIT_GRACE_S": "2"},
-                       timeout=90)
-    took = time.monotonic() - began
-    out = result.stdout
-    assert result.returncode != 0 and took < 40, (took, out[-3000:])
+    out = _fails_within_40_s(program, {**DEFAULTS, "PS_EXIT_GRACE_S": "2"})
     assert re.search(r"\[worker 0\] worker 0: worker 1 \(127\.0\.0\.1\) lost: .*; this process's "
                      r"main thread did not end it within 2 s \(PS_EXIT_GRACE_S\): exiting", out), out[-3000:]
     assert "[bpslaunch] killing" not in out, out[-3000:]  # it did not need the launcher's grace
