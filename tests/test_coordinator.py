@@ -286,3 +286,19 @@ def test_a_refusal_names_the_workers_by_the_call_they_wait_in():
     c.request(1, 1, "o", {}, failed="TypeError: cannot pickle")
     got = answers(c.request(2, 1, "o", {}, failed="ValueError: root 5"))
     assert got[2]["message"] == "o: workers 0 and 1: TypeError: cannot pickle; worker 2: ValueError: root 5"
+
+
+def test_a_call_others_wait_in_while_one_waits_in_nothing_is_a_stall():
+    """Worker 0 waits in a call worker 1 has not made, worker 1 waiting in nothing (a slow
+    data loader): a stall, with its age. Once worker 1 waits elsewhere it is a deadlock,
+    which the grace refuses, not a stall."""
+    now = [100.0]
+    c = Coordinator(2, grace=60.0, clock=lambda: now[0])
+    c.request(0, 1, "allreduce.x", SHAPE)
+    assert c.stalls() == []  # asked, not yet waiting
+    c.block(0, 1)
+    now[0] = 112.5
+    assert c.stalls() == [("'allreduce.x'", [1], 12.5)]
+    c.request(1, 1, "allreduce.y", SHAPE)
+    c.block(1, 1)
+    assert c.stalls() == []

@@ -386,3 +386,25 @@ def test_below_the_minimum_with_no_restarts_left_the_job_ends_at_once(restarts, 
     assert re.search(r"only 1 worker\(s\) remain, below PS_MIN_WORKERS=2, and no worker can "
                      r"join \(bpslaunch has no restarts left\)", result.stdout), result.stdout
     assert "done step=400" not in result.stdout and took < 100, took
+
+
+def test_a_joiner_slow_to_start_is_named_then_dropped_and_the_job_goes_on(tmp_path):
+    """Worker 1 dies and its restart joins, then sleeps 120 s before its first step (a slow
+    data loader). The others wait in their next call: after PS_STALL_WARN_S the scheduler
+    names the joiner, after PS_STALL_ABORT_S it drops it, telling it why, and the two others
+    train to the end (before, they waited in silence for as long as it slept)."""
+    result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "1", "--min-workers",
+                       "2", "--restarts", "1", "--timeout", "150", "--", sys.executable, PROGRAM,
+                       "--steps", "60", "--kill=1:5", "--step-s=0.1", "--joiner-sleep-s=120",
+                       f"--joins={tmp_path / 'joins'}:1", timeout=180,
+                       env={**ELASTIC, "PS_STALL_WARN_S": "3", "PS_STALL_ABORT_S": "8"})
+    out = result.stdout
+    assert result.returncode == 0, out
+    assert re.search(r"\[scheduler\] .*the other workers have waited \d+ s in .* for worker 2, "
+                     r"joined in epoch 2 \(127\.0\.0\.1\), which has not called it .*"
+                     r"\(PS_STALL_WARN_S\)", out), out
+    assert re.search(r"\[worker 1\] worker 2: worker 2, joined in epoch 2 \(127\.0\.0\.1\) "
+                     r"dropped from the job: .*\(PS_STALL_ABORT_S\)", out), out  # told why
+    done = survivors(out)
+    assert len(done) == 2 and {(step, size) for step, _, size in done} == {(60, 2)}, out
+    assert len({digest for _, digest, _ in done}) == 1, done

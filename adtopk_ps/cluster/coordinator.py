@@ -114,6 +114,7 @@ class Item:
     release: bool  # a finished worker is not waited for (a barrier); otherwise the call fails
     requests: dict[int, Request] = field(default_factory=dict)
     order: list[int] = field(default_factory=list)  # ranks in the order they asked
+    since: float = 0.0  # when its first request came
 
 
 def _workers(ranks: list[int]) -> str:
@@ -197,7 +198,7 @@ class Coordinator:
                                   f"already waiting for their workers; call synchronize() on "
                                   f"some before starting more")]
         if item is None:
-            item = self.items[name] = Item(name, standin, release)
+            item = self.items[name] = Item(name, standin, release, since=self.clock())
         item.requests[rank] = Request(reqid, match, own, failed)
         item.order.append(rank)
         if name == JOIN:
@@ -238,6 +239,20 @@ class Coordinator:
     def tick(self) -> list[Outgoing]:
         """Refuse what every worker has waited in for ``grace`` (the scheduler calls this)."""
         return self._settle()
+
+    def stalls(self) -> list[tuple[str, list[int], float]]:
+        """The calls some workers wait in while others, waiting in nothing, have not made
+        them (a loop or data loader that hangs, a joiner slow to start): each name (quoted,
+        cut short), the ranks it waits for, and the seconds since its first request. (Where every worker waits,
+        the deadlock's refusal comes first.)"""
+        now, out = self.clock(), []
+        for item in self.items.values():
+            if not any(item.name in self.blocked.get(r, ()) for r in item.requests):
+                continue
+            missing = sorted(r for r in self.active - set(item.requests) if not self.blocked.get(r))
+            if missing:
+                out.append((_shown(item.name), missing, now - item.since))
+        return out
 
     def _item_of(self, rank: int, reqid: int) -> Item | None:
         for item in self.items.values():

@@ -59,6 +59,9 @@ class Scheduler(Reforming):
         self.conns = ConnectionTable(self.sock)
         self.secret = job_secret_from_env()  # handed to every node with the address book
         self.description: list | None = None  # the job's (the first worker's): joiners must match
+        self.stall_limits = (float(env_int("PS_STALL_WARN_S", 60, minimum=1)),
+                             float(env_int("PS_STALL_ABORT_S", 300, minimum=0)))
+        self.stall_warned: set[str] = set()  # calls named as stalled already
         self.nodes: dict[bytes, Node] = {}
         self.started = False
         self.fatal: tuple[str, int] | None = None  # why the job cannot go on, and the status
@@ -93,6 +96,7 @@ class Scheduler(Reforming):
                     self._connection_closed(fd)
                 if self.started:
                     self._deliver(self.coordinator.tick())
+                    self._check_collective_stalls()
                 lost = self._closed_node() or self._silent_node()
                 status = self._lost(*lost) if lost is not None else self._check_short()
                 if status is not None:
@@ -279,6 +283,30 @@ class Scheduler(Reforming):
             self.fatal = (f"the job stalled: {what} (PS_STALL_ABORT_S)", 1)
         else:
             log.warning("%s (PS_STALL_WARN_S)", what)
+
+    def _check_collective_stalls(self) -> None:
+        """Workers that wait in a call others never make: named after ``PS_STALL_WARN_S``;
+        after ``PS_STALL_ABORT_S`` an elastic job goes on without those others (each told
+        why), any other job ends naming them."""
+        warn_s, abort_s = self.stall_limits
+        for name, missing, waited in self.coordinator.stalls():
+            who = ", ".join(self._worker_label(r) for r in missing)
+            what = (f"the other workers have waited {waited:.0f} s in {name} for {who}, "
+                    f"which has not called it (a hung training loop or data loader, or a "
+                    f"joiner slow to start?)")
+            if abort_s and waited > abort_s:
+                nodes = [n for n in self._ranked() if n.rank in missing]
+                if not self._changeable() or len(nodes) >= len(self._ranked()):
+                    self.fatal = (f"the job stalled: {what} (PS_STALL_ABORT_S)", 1)
+                    return
+                for node in nodes:
+                    why = f"dropped from the job: {what} (PS_STALL_ABORT_S)"
+                    self._reply(node.identity, Op.NODE_LOST, what=f"{node.label} {why}")
+                    self._lost(node, why)
+                return  # (the re-form closes the calls; what stalls next is judged afresh)
+            if waited > warn_s and name not in self.stall_warned:
+                self.stall_warned.add(name)
+                log.warning("%s (PS_STALL_WARN_S)", what)
 
     def _worker_label(self, rank: object) -> str:
         node = next((n for n in self.nodes.values() if n.role == "worker" and n.rank == rank), None)

@@ -13,7 +13,8 @@ CrossBarrier. Every survivor prints one line a step (``step N``), the
 time it took up training again after a re-form (``resumed in S s``), and at the end its step
 count and a digest of its parameters. A worker that joins the running job (``bpslaunch
 --restarts``) says so with the time it registered, and kills or pauses itself no more
-(``--kill-joiner``: the first joiner dies as it joins). ``--joins FILE:N``: every joiner adds
+(``--kill-joiner``: the first joiner dies as it joins; ``--joiner-sleep-s``: each sleeps
+that long before its first step). ``--joins FILE:N``: every joiner adds
 a line to FILE as it joins, and no worker takes the last step before FILE has N: a job that
 lasts until its restarts have joined, however long they take to start.
 """
@@ -66,6 +67,8 @@ def main() -> None:
     ap.add_argument("--pause-s", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0, help="the model's initialisation and the data order")
     ap.add_argument("--slow", default="", help="step:seconds")
+    ap.add_argument("--joiner-sleep-s", type=float, default=0.0, help="a joiner sleeps this "
+                    "long after init(), before anything else (a slow data loader)")
     ap.add_argument("--kill-joiner", default="", help="a joiner kills itself before its "
                     "optimizer's agreement unless this file exists (it makes it first)")
     ap.add_argument("--step-s", type=float, default=0.0, help="every step sleeps this long (a "
@@ -98,6 +101,10 @@ def main() -> None:
         int(args.pause.split(":")[0]) == started_as else -1
     if joined:
         kill_at = pause_at = -1
+        if args.joiner_sleep_s:
+            print(f"worker {hvd.rank()}: sleeping {args.joiner_sleep_s} s before its first step",
+                  flush=True)
+            time.sleep(args.joiner_sleep_s)
         if args.kill_joiner and not os.path.exists(args.kill_joiner):
             open(args.kill_joiner, "w").close()
             print(f"worker {hvd.rank()}: killed as it joins at {time.time():.3f}", flush=True)
