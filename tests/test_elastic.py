@@ -89,11 +89,16 @@ def test_workers_killed_at_once_and_while_the_others_re_form():
                                "--kill=0:6"), 2)
 
 
-def test_below_the_minimum_the_job_waits_for_a_join_then_ends_naming_why():
+def test_below_the_minimum_the_job_waits_for_a_join_then_ends_naming_why(tmp_path):
+    # worker 1's restart is on its way (it sleeps 60 s before it starts), so a worker may
+    # still join: the job waits PS_ELASTIC_TIMEOUT_S for it, saying so, then ends
     started = time.monotonic()
+    mark = tmp_path / "started"
+    slow_restart = ("sh", "-c", f'mkdir "{mark}.$DMLC_WORKER_ID" 2>/dev/null || sleep 60; exec "$@"',
+                    "sh")
     result = bpslaunch("--local", "--num-workers", "3", "--num-servers", "1", "--min-workers", "2",
-                       "--timeout", "100", "--", sys.executable, PROGRAM, "--steps", str(STEPS),
-                       "--kill=1:3", "--kill=2:8", timeout=130,
+                       "--restarts", "1", "--timeout", "100", "--", *slow_restart, sys.executable,
+                       PROGRAM, "--steps", str(STEPS), "--kill=1:3", "--kill=2:8", timeout=130,
                        env={**ELASTIC, "PS_ELASTIC_TIMEOUT_S": "4"})
     assert result.returncode != 0
     # the survivor and the scheduler say what they wait for while they wait, then why it ended
