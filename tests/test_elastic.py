@@ -305,12 +305,16 @@ def test_a_lost_server_moves_its_keys_and_the_job_goes_on():
     assert gap[0] <= GOAL_S, (gap, result.stdout)
 
 
-def test_a_server_lost_while_the_job_waits_below_its_minimum_keeps_it_waiting():
+def test_a_server_lost_while_the_job_waits_below_its_minimum_keeps_it_waiting(tmp_path):
     # workers 1 and 2 die at step 5 (at least 2): the job waits; server 1 is then killed:
     # its keys move, but the one worker left must not train alone, and the wait runs out
+    # (a restart of one of them is on its way, sleeping 60 s first: a worker may still join)
+    slow_restart = ("sh", "-c", f'mkdir "{tmp_path}/started.$DMLC_WORKER_ID" 2>/dev/null || '
+                    'sleep 60; exec "$@"', "sh")
     cmd = [sys.executable, "-m", "adtopk_ps.launcher", "--local", "--num-workers", "3",
-           "--num-servers", "2", "--min-workers", "2", "--timeout", "100", "--", sys.executable,
-           PROGRAM, "--steps", "40", "--step-s=0.05", "--kill=1:5", "--kill=2:5"]
+           "--num-servers", "2", "--min-workers", "2", "--restarts", "1", "--timeout", "100", "--",
+           *slow_restart, sys.executable, PROGRAM, "--steps", "40", "--step-s=0.05", "--kill=1:5",
+           "--kill=2:5"]
     result, killed = run_and_kill(cmd, {**os.environ, **FAST, **ELASTIC, "PS_ELASTIC_TIMEOUT_S": "8"},
                                   r"for 1 more to join \(epoch", "server", 1, timeout=120)
     out = result.stdout
