@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from adtopk_ps.core.env import env_int
+from adtopk_ps.cluster.liveness import stall_limits
 
 
 @dataclass
@@ -37,8 +37,7 @@ class StallWatch:
     @classmethod
     def from_env(cls) -> "StallWatch":
         """The thresholds from ``PS_STALL_WARN_S`` and ``PS_STALL_ABORT_S``."""
-        return cls(float(env_int("PS_STALL_WARN_S", 60, minimum=1)),
-                   float(env_int("PS_STALL_ABORT_S", 300, minimum=0)))
+        return cls(*stall_limits())
 
     def start(self, key: int, now: float) -> None:
         """A round of ``key`` got its first push."""

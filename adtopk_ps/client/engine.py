@@ -310,7 +310,6 @@ class Engine:
         servers.clear()
         self._batches.clear()
         self.servers = list(addresses)
-        self.resend = Resender(self.config.heartbeat_timeout)
         self._reconnects = [0] * len(addresses)
         for address in addresses:
             sock = make_socket(self.ctx, zmq.DEALER, f"{link.identity}-e{self.epoch}-s{len(servers)}",

@@ -35,7 +35,7 @@ class _Link:
     # key -> the round of its last push that was sent again and answered: a second answer of
     # it may still come (the original and the copy both reached the server)
     answered_once: dict[int, int] = field(default_factory=dict)
-    reconnects: list[float] = field(default_factory=list)
+    reconnected_at: float | None = None  # the last reconnect
 
 
 class Resender:
@@ -87,9 +87,9 @@ class Resender:
         still unanswered: the link passed the heartbeats and lost it again."""
         link = self.links.setdefault(server, _Link())
         now = time.monotonic()
-        link.reconnects.append(now)
         lost_again = [link.unanswered[k][1] for k in link.resent if k in link.unanswered]
-        took = now - link.reconnects[-2] if len(link.reconnects) > 1 else 0.0
+        took = 0.0 if link.reconnected_at is None else now - link.reconnected_at
+        link.reconnected_at = now
         if lost_again and took >= self.heartbeat_timeout / 2:
             raise LinkDropsLargeMessages(
                 f"{worker} -> {peer}: messages are not delivered: what was sent again when the "

@@ -14,8 +14,18 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from adtopk_ps.core.env import env_int
+
 #: how long a closed connection may take to come back before its peer counts as lost
 RECONNECT_GRACE = 1.0
+
+
+def stall_limits() -> tuple[float, float]:
+    """Seconds a wait on a worker that sends nothing may last before it is named
+    (``PS_STALL_WARN_S``, 60) and before the job ends or goes on without it
+    (``PS_STALL_ABORT_S``, 300; 0: never): a server's rounds and the scheduler's calls alike."""
+    return (float(env_int("PS_STALL_WARN_S", 60, minimum=1)),
+            float(env_int("PS_STALL_ABORT_S", 300, minimum=0)))
 
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
            | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED

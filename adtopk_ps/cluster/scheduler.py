@@ -23,7 +23,7 @@ import zmq
 
 from adtopk_ps import wire
 from adtopk_ps.cluster.coordinator import Coordinator, Outgoing
-from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable
+from adtopk_ps.cluster.liveness import RECONNECT_GRACE, ConnectionTable, stall_limits
 from adtopk_ps.cluster.membership import ClusterConfig, job_differences, start_role
 from adtopk_ps.cluster.node import Node
 from adtopk_ps.cluster.reform import Reforming
@@ -59,8 +59,7 @@ class Scheduler(Reforming):
         self.conns = ConnectionTable(self.sock)
         self.secret = job_secret_from_env()  # handed to every node with the address book
         self.description: list | None = None  # the job's (the first worker's): joiners must match
-        self.stall_limits = (float(env_int("PS_STALL_WARN_S", 60, minimum=1)),
-                             float(env_int("PS_STALL_ABORT_S", 300, minimum=0)))
+        self.stall_limits = stall_limits()
         self.stall_warned: set[str] = set()  # calls named as stalled already
         self.nodes: dict[bytes, Node] = {}
         self.started = False
